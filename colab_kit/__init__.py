@@ -1,0 +1,34 @@
+"""colab_kit: fine-tune transformers in Google Colab without losing work.
+
+    import colab_kit as ck
+    run = ck.start_run("rna-bert", save_every="10min", keep=3)
+    run.train(trainer)
+
+`import colab_kit` needs no GPU, no ipywidgets and no google.colab; the parts that need
+transformers or torch import them when used.
+"""
+
+from .errors import (CheckpointError, ColabKitError, ColabKitWarning, DriveError, LeaseHeldError,
+                     ResumeMismatchError)
+from .journal import read_events
+from .run import Run, start_run
+from .runtime import detect_runtime, in_colab, in_notebook
+from .store import CheckpointStore
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "start_run",
+    "Run",
+    "CheckpointStore",
+    "read_events",
+    "detect_runtime",
+    "in_colab",
+    "in_notebook",
+    "ColabKitError",
+    "ColabKitWarning",
+    "DriveError",
+    "LeaseHeldError",
+    "ResumeMismatchError",
+    "CheckpointError",
+]

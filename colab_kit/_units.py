@@ -1,0 +1,54 @@
+"""Small parsers and formatters for sizes and durations (private helpers)."""
+
+from __future__ import annotations
+
+import re
+
+_DURATION_UNITS = {
+    "s": 1, "sec": 1, "secs": 1, "second": 1, "seconds": 1,
+    "m": 60, "min": 60, "mins": 60, "minute": 60, "minutes": 60,
+    "h": 3600, "hr": 3600, "hrs": 3600, "hour": 3600, "hours": 3600,
+}
+_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-z]+)\s*$")
+
+
+def parse_duration(text: str) -> float:
+    """Parse "90s", "10min", "1.5h" into seconds.
+
+    Raises:
+        ValueError: with the accepted forms, for anything else.
+    """
+    match = _DURATION_RE.match(str(text).lower())
+    if not match or match.group(2) not in _DURATION_UNITS:
+        raise ValueError(
+            f"cannot read {text!r} as a duration; use a number with a unit such as "
+            '"90s", "10min" or "1h", or an int for a number of optimizer steps'
+        )
+    seconds = float(match.group(1)) * _DURATION_UNITS[match.group(2)]
+    if seconds <= 0:
+        raise ValueError(f"the duration {text!r} must be longer than zero")
+    return seconds
+
+
+def format_bytes(n: float | None) -> str:
+    """1536 -> "1.5 KiB"; None -> "n/a"."""
+    if n is None:
+        return "n/a"
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def format_age(seconds: float) -> str:
+    """Seconds -> "42 s", "7 min", "3.2 h", "2.0 days"."""
+    seconds = max(0.0, float(seconds))
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 90 * 60:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 48 * 3600:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} days"

@@ -1,0 +1,180 @@
+"""Checkpoint folders on disk: naming, finding the newest valid one, fetching, pruning.
+
+Layout (readable without the kit):
+    <run_dir>/checkpoints/checkpoint-<step>/   data files first, then MANIFEST.json last
+
+A folder without a MANIFEST.json that verifies does not exist for resume. HF Trainer picks
+the highest-numbered folder with no completeness check; we pick the highest-numbered one
+whose manifest verifies, and say which ones were skipped and why.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable
+
+from . import storage
+from .manifest import MANIFEST, Manifest, read_manifest, verify_folder, write_manifest
+
+__all__ = ["CHECKPOINTS", "KIT_STATE", "Found", "checkpoint_dir", "list_checkpoints",
+           "find_latest", "fetch_checkpoint", "prune_checkpoints", "model_signature"]
+
+CHECKPOINTS = "checkpoints"
+KIT_STATE = "colab_kit_state.json"
+_NAME = re.compile(r"^checkpoint-(\d+)$")
+log = logging.getLogger(__name__)
+
+
+def checkpoint_dir(root: str | Path, step: int) -> Path:
+    return Path(root) / f"checkpoint-{int(step)}"
+
+
+def list_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
+    """`checkpoint-<step>` folders under `root`, newest (highest step) first."""
+    try:
+        entries = list(os.scandir(root))
+    except FileNotFoundError:
+        return []
+    found = []
+    for entry in entries:
+        match = _NAME.match(entry.name)
+        if match and entry.is_dir():
+            found.append((int(match.group(1)), Path(entry.path)))
+    return sorted(found, key=lambda sp: sp[0], reverse=True)
+
+
+@dataclass(frozen=True)
+class Found:
+    """A checkpoint that verified, ready on local disk."""
+
+    step: int
+    path: Path  # local copy
+    manifest: Manifest
+    origin: str  # "drive" or "local"
+    source: Path  # where it was found
+
+
+def fetch_checkpoint(source: Path, manifest: Manifest, local_root: Path) -> Path:
+    """Copy a checkpoint to `local_root/checkpoint-<step>`, hashing the bytes as they are read.
+
+    Raises:
+        ValueError: a file does not match the manifest (nothing is left behind).
+        OSError: the copy failed.
+    """
+    target = checkpoint_dir(local_root, manifest.step)
+    tmp = local_root / f".fetch-{target.name}-{uuid.uuid4().hex[:8]}"
+    try:
+        for name, entry in manifest.files.items():
+            dst = tmp / name
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            digest = storage.copy_file(source / name, dst)
+            if digest != entry.sha256:
+                raise ValueError(f"{name} does not match its sha256 (corrupted)")
+            if dst.stat().st_size != entry.size:
+                raise ValueError(f"{name} has the wrong size (truncated?)")
+        write_manifest(tmp, manifest)
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def find_latest(places: Iterable[tuple[str, Path]], local_root: Path,
+                on_skip: Callable[[Path, str], None]) -> Found | None:
+    """The newest checkpoint that verifies, across several places, copied to `local_root`.
+
+    Args:
+        places: ("drive" | "local", folder holding checkpoint-<step> folders). On a tie of
+            steps the local one wins (no copy needed).
+        local_root: where a checkpoint from Drive is copied to (verifying every sha256).
+        on_skip: called with (folder, reason) for every checkpoint that does not verify.
+    """
+    candidates = []
+    for origin, root in places:
+        for step, path in list_checkpoints(root):
+            candidates.append((step, origin == "local", origin, path))
+    candidates.sort(key=lambda c: (c[0], c[1]), reverse=True)
+    for step, _, origin, path in candidates:
+        try:
+            manifest = read_manifest(path)
+        except ValueError as exc:
+            on_skip(path, str(exc))
+            continue
+        except OSError as exc:
+            on_skip(path, f"unreadable ({exc})")
+            continue
+        if manifest.step != step:
+            on_skip(path, f"its manifest is for step {manifest.step}, not {step}")
+            continue
+        # Local files are hashed in place; Drive files are hashed while they are copied.
+        try:
+            reason = verify_folder(path, manifest, hashes=(origin == "local"))
+            if reason is None and origin != "local":
+                local = fetch_checkpoint(path, manifest, local_root)
+                return Found(step, local, manifest, origin, path)
+        except ValueError as exc:
+            reason = str(exc)
+        except OSError as exc:
+            reason = f"could not be read ({exc})"
+        if reason is not None:
+            on_skip(path, reason)
+            continue
+        return Found(step, path, manifest, origin, path)
+    return None
+
+
+def _invalidate_and_remove(path: Path) -> None:
+    # Manifest first: a kill halfway through leaves an invalid folder, never a "valid" one
+    # with missing files.
+    manifest = path / MANIFEST
+    if manifest.exists():
+        manifest.unlink()
+    storage.remove_tree(path)
+
+
+def prune_checkpoints(root: str | Path, keep: int, newest_valid: int) -> list[int]:
+    """Delete old checkpoints once `newest_valid` is confirmed; returns the deleted steps.
+
+    Keeps `newest_valid` and the `keep - 1` newest valid ones below it (so at least one valid
+    checkpoint always remains), deletes older and invalid ones, and leaves alone any *valid*
+    folder above `newest_valid` (not ours to judge).
+    """
+    kept_older = 0
+    removed = []
+    for step, path in list_checkpoints(root):
+        if step == newest_valid:
+            continue
+        valid = verify_folder(path, hashes=False) is None
+        if step > newest_valid:
+            if valid:
+                continue
+        elif valid and kept_older < keep - 1:
+            kept_older += 1
+            continue
+        _invalidate_and_remove(path)
+        removed.append(step)
+    return sorted(removed)
+
+
+def model_signature(model) -> dict:
+    """Parameter count and a hash of every parameter/buffer name and shape.
+
+    Equal signatures mean a checkpoint's tensors fit the model; dtype is left out on purpose
+    (mixed precision keeps fp32 masters, and a user may switch fp16/bf16 between sessions).
+    """
+    digest = hashlib.sha256()
+    n_params = 0
+    for name, tensor in model.state_dict().items():
+        digest.update(f"{name}:{tuple(tensor.shape)};".encode())
+    for p in model.parameters():
+        n_params += p.numel()
+    return {"model": digest.hexdigest()[:16], "parameters": int(n_params)}

@@ -1,0 +1,36 @@
+"""The kit's exceptions and warnings: one small hierarchy a user can catch."""
+
+from __future__ import annotations
+
+__all__ = [
+    "ColabKitError",
+    "ColabKitWarning",
+    "DriveError",
+    "LeaseHeldError",
+    "ResumeMismatchError",
+    "CheckpointError",
+]
+
+
+class ColabKitError(Exception):
+    """Base class of every error the kit raises on purpose."""
+
+
+class DriveError(ColabKitError):
+    """The persistent folder (Google Drive or its stand-in) cannot be used."""
+
+
+class LeaseHeldError(ColabKitError):
+    """Another live runtime is already writing this run's folder."""
+
+
+class ResumeMismatchError(ColabKitError):
+    """The checkpoint to resume from was made by an incompatible configuration."""
+
+
+class CheckpointError(ColabKitError):
+    """A checkpoint cannot be saved or loaded."""
+
+
+class ColabKitWarning(UserWarning):
+    """Base class of the kit's warnings (Drive trouble, skipped checkpoints, ...)."""

@@ -1,0 +1,172 @@
+"""One writer per run: a lease file in the run folder with host, pid and a heartbeat.
+
+Two runtimes writing the same run folder (two browser tabs, or a reconnect while the old
+runtime is still alive) would interleave checkpoints and prune each other's files. The
+lease makes the second one stop with a clear message. A lease is *stale*, and taken over at
+once, when its process is gone on this host or its heartbeat is older than a few intervals.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+from . import storage
+from ._units import format_age
+from .errors import LeaseHeldError
+
+__all__ = ["LEASE", "LeaseInfo", "Lease", "read_lease", "lease_staleness"]
+
+LEASE = "lease.json"
+STALE_AFTER_BEATS = 4
+log = logging.getLogger(__name__)
+
+
+def _process_start(pid: int) -> float | None:
+    try:
+        import psutil
+
+        return psutil.Process(pid).create_time()
+    except Exception:
+        return None
+
+
+@dataclass
+class LeaseInfo:
+    host: str
+    pid: int
+    pid_start: float | None
+    session: str
+    started: float
+    heartbeat: float
+    heartbeat_s: float
+
+
+def read_lease(path: str | Path) -> LeaseInfo | None:
+    """The lease in `path` (a run folder or the lease file), or None when there is none."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / LEASE
+    try:
+        obj = json.loads(path.read_text())
+        return LeaseInfo(**{k: obj[k] for k in LeaseInfo.__dataclass_fields__})
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # a torn or foreign file cannot hold anybody out
+
+
+def lease_staleness(info: LeaseInfo, now: float | None = None) -> str | None:
+    """Why `info` no longer protects its run (a reason), or None while it is live."""
+    now = time.time() if now is None else now
+    if info.host == socket.gethostname():
+        start = _process_start(info.pid)
+        if start is None:
+            return f"its process {info.pid} on this host has ended"
+        if info.pid_start is not None and abs(start - info.pid_start) > 1.0:
+            return f"process {info.pid} on this host is a different process now"
+    age = now - info.heartbeat
+    if age > STALE_AFTER_BEATS * info.heartbeat_s:
+        return f"its last heartbeat was {format_age(age)} ago"
+    return None
+
+
+class Lease:
+    """This process's claim on a run folder.
+
+    Args:
+        run_dir: the run's persistent folder.
+        heartbeat_s: how often the heartbeat is renewed; readers call the lease stale after
+            `STALE_AFTER_BEATS` missed beats.
+    """
+
+    def __init__(self, run_dir: str | Path, heartbeat_s: float = 30.0):
+        self.path = Path(run_dir) / LEASE
+        self.heartbeat_s = float(heartbeat_s)
+        self.info = LeaseInfo(host=socket.gethostname(), pid=os.getpid(),
+                              pid_start=_process_start(os.getpid()), session=uuid.uuid4().hex,
+                              started=time.time(), heartbeat=time.time(), heartbeat_s=self.heartbeat_s)
+        self.lost = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def acquire(self, takeover: bool = False, run_name: str = "NAME") -> LeaseInfo | None:
+        """Claim the folder; returns the lease that was replaced, if any.
+
+        Raises:
+            LeaseHeldError: a live lease from another process, unless `takeover`.
+        """
+        previous = read_lease(self.path)
+        if previous is not None and previous.session != self.info.session and not takeover:
+            same_process = previous.host == self.info.host and previous.pid == self.info.pid
+            if not same_process and lease_staleness(previous) is None:
+                age = format_age(time.time() - previous.heartbeat)
+                wait = format_age(STALE_AFTER_BEATS * previous.heartbeat_s - (time.time() - previous.heartbeat))
+                raise LeaseHeldError(
+                    f"run folder {self.path.parent} is in use by another runtime (host {previous.host}, "
+                    f"pid {previous.pid}, last heartbeat {age} ago). Two writers would overwrite each "
+                    f"other's checkpoints. Stop the other runtime, or wait {wait} for its lease to go "
+                    f"stale, or take over now: ck.start_run({run_name!r}, takeover=True)")
+        self._write()
+        # Drive has no exclusive create: read back so that of two simultaneous starters at
+        # most one believes it holds the lease.
+        confirmed = read_lease(self.path)
+        if confirmed is None or confirmed.session != self.info.session:
+            raise LeaseHeldError(f"another runtime claimed {self.path.parent} at the same moment; "
+                                 f"run ck.start_run({run_name!r}) again in a minute")
+        return previous if previous is not None and previous.session != self.info.session else None
+
+    def _write(self) -> None:
+        self.info.heartbeat = time.time()
+        storage.atomic_write_json(self.path, asdict(self.info))
+
+    def beat(self) -> bool:
+        """Renew the heartbeat; False (and `lost`) when another runtime took the lease."""
+        if self.lost:
+            return False
+        current = read_lease(self.path)
+        if current is not None and current.session != self.info.session:
+            self.lost = True
+            return False
+        self._write()
+        return True
+
+    def start_heartbeat(self, on_lost: Callable[[LeaseInfo | None], None],
+                        on_error: Callable[[OSError], None] | None = None) -> None:
+        """Renew the lease every `heartbeat_s` seconds in a daemon thread."""
+
+        def loop():
+            while not self._stop.wait(self.heartbeat_s):
+                try:
+                    if not self.beat():
+                        on_lost(read_lease(self.path))
+                        return
+                except OSError as exc:  # Drive trouble: keep trying, the mirror reports it
+                    log.debug("lease heartbeat failed: %s", exc)
+                    if on_error:
+                        on_error(exc)
+
+        self._thread = threading.Thread(target=loop, name="colab_kit-lease", daemon=True)
+        self._thread.start()
+
+    def release(self) -> None:
+        """Stop the heartbeat and remove the lease if it is still ours."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        if self.lost:
+            return
+        try:
+            current = read_lease(self.path)
+            if current is not None and current.session == self.info.session:
+                self.path.unlink()
+        except OSError as exc:
+            log.warning("could not remove the lease %s: %s (it goes stale by itself)", self.path, exc)

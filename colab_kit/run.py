@@ -1,0 +1,516 @@
+"""`start_run`: one call that makes a training run survive a Colab disconnect.
+
+    run = ck.start_run("rna-bert", save_every="10min", keep=3)
+    trainer = Trainer(..., args=TrainingArguments(output_dir=run.local_dir, ...))
+    run.train(trainer)          # resumes from Drive, mirrors checkpoints, finishes
+
+After a reconnect, "Runtime -> Run all" runs the same cells: `start_run` finds the newest
+checkpoint whose manifest verifies (on Drive or still on local disk), copies it to local disk
+and `run.train` continues from it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import re
+import shutil
+import time
+import weakref
+from datetime import datetime, timezone
+from pathlib import Path
+
+from . import storage
+from ._notices import Notices
+from ._units import format_age, format_bytes, parse_duration
+from .checkpoint import CHECKPOINTS, KIT_STATE, Found, find_latest, list_checkpoints
+from .drive import flush_hint, remount_drive, resolve_root
+from .errors import ColabKitError, DriveError, ResumeMismatchError
+from .journal import EVENTS, Journal
+from .lease import Lease, LeaseInfo
+from .runtime import RuntimeInfo, detect_runtime, in_colab
+from .sync import SNAPSHOTS, Mirror, take_snapshot
+
+__all__ = ["Run", "start_run"]
+
+log = logging.getLogger(__name__)
+ARCHIVE = "archive"
+_NAME_OK = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+_ACTIVE: dict[str, "weakref.ref[Run]"] = {}  # run folder -> the open Run of this process
+# Fingerprint fields that make a checkpoint unusable; the others only earn a warning.
+_INCOMPATIBLE = {"model": "model tensor names/shapes", "effective_batch": "effective batch size"}
+_REMOUNT_EVERY_S = 300.0
+
+
+def _default_local_dir(name: str) -> Path:
+    # In Colab /content is the fast VM disk (wiped on disconnect); elsewhere a folder beside
+    # ./drive, so a restart on the same machine can still resume from local checkpoints.
+    return Path("/content/colab_kit_local" if in_colab() else "scratch").absolute() / name
+
+
+class _TrainClock:
+    """Training wall time, carried across resumes (so "every 10min" means training time)."""
+
+    def __init__(self, seconds: float = 0.0):
+        self._base = float(seconds)
+        self._t0: float | None = None
+
+    def start(self) -> None:
+        if self._t0 is None:
+            self._t0 = time.monotonic()
+
+    def stop(self) -> None:
+        if self._t0 is not None:
+            self._base += time.monotonic() - self._t0
+            self._t0 = None
+
+    @property
+    def seconds(self) -> float:
+        return self._base + (time.monotonic() - self._t0 if self._t0 is not None else 0.0)
+
+
+class Run:
+    """A training run with a persistent folder; made by `start_run`.
+
+    Attributes:
+        name: the run name (the folder name under the persistent root).
+        drive_dir: the persistent folder, `<root>/<name>/`.
+        local_dir: fast local scratch where the Trainer writes (`output_dir`).
+        resume_from: local path of the newest valid checkpoint, or None on a fresh run.
+        runtime: what `start_run` detected (Colab, GPU, RAM limit).
+    """
+
+    def __init__(self, name: str, drive_dir: Path, local_dir: Path, *, on_drive: bool,
+                 save_every_s: float | None, save_every_steps: int | None, keep: int,
+                 runtime: RuntimeInfo, lease: Lease, journal: Journal, notices: Notices):
+        from . import __version__
+
+        self.name = name
+        self.drive_dir = drive_dir
+        self.local_dir = local_dir
+        self.on_drive = on_drive
+        self.save_every_s = save_every_s
+        self.save_every_steps = save_every_steps
+        self.keep = keep
+        self.runtime = runtime
+        self.lease = lease
+        self.journal = journal
+        self.notices = notices
+        self.resume_from: Path | None = None
+        self.resume_manifest = None
+        self.resume_state: dict = {}
+        self.clock = _TrainClock()
+        self.mirror = Mirror(drive_dir, keep=keep, journal=journal, notices=notices,
+                             kit_version=__version__, on_disconnected=self._want_remount)
+        self.fingerprint: dict | None = None
+        self._callbacks: list | None = None
+        self._remount_wanted = False
+        self._last_remount = 0.0
+        self._finished = False
+        self._summary: dict | None = None
+
+    # -- callbacks and training ----------------------------------------------------------------
+    def callbacks(self) -> list:
+        """The kit's `transformers.TrainerCallback`s for this run (the same objects each call):
+        time/step-based saves and Drive mirroring."""
+        if self._callbacks is None:
+            from .callbacks import DriveSyncCallback, SaveScheduleCallback
+
+            self._callbacks = [SaveScheduleCallback(self), DriveSyncCallback(self)]
+        return list(self._callbacks)
+
+    def train(self, trainer, **train_kwargs):
+        """Resume, train with the kit's callbacks, and finish; returns the Trainer's TrainOutput.
+
+        Adds any of `callbacks()` the trainer lacks (no duplicates), resumes from
+        `resume_from` unless `resume_from_checkpoint` is given, and calls `finish()` at the
+        end, also when training fails or is interrupted.
+        """
+        self._require_open("train")
+        present = {type(cb) for cb in trainer.callback_handler.callbacks}
+        for cb in self.callbacks():
+            if type(cb) not in present:
+                trainer.add_callback(cb)
+        self.check_compatible(trainer.model, trainer.args)
+        self._adjust_args(trainer.args)
+        if "resume_from_checkpoint" not in train_kwargs and self.resume_from is not None:
+            train_kwargs["resume_from_checkpoint"] = str(self.resume_from)
+        status = "error"
+        try:
+            if self._already_complete(trainer, train_kwargs.get("resume_from_checkpoint")):
+                output = self._load_completed(trainer, Path(train_kwargs["resume_from_checkpoint"]))
+            else:
+                output = trainer.train(**train_kwargs)
+            status = "completed"
+            return output
+        except KeyboardInterrupt:
+            status = "interrupted"
+            raise
+        finally:
+            self.finish(status=status)
+
+    def _already_complete(self, trainer, checkpoint) -> bool:
+        # Resuming from a checkpoint at max_steps makes the Trainer run one step too many (its
+        # stop check comes after a step), so a finished run is recognised here instead.
+        if checkpoint is None or self.resume_manifest is None:
+            return False
+        planned = _planned_max_steps(trainer)
+        return planned is not None and self.resume_manifest.step >= planned
+
+    def _load_completed(self, trainer, checkpoint: Path):
+        from transformers.trainer_callback import TrainerState
+        from transformers.trainer_utils import TrainOutput
+
+        trainer._load_from_checkpoint(str(checkpoint))  # the Trainer's own loader (sharded, PEFT, ...)
+        trainer.state = TrainerState.load_from_json(str(checkpoint / "trainer_state.json"))
+        losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+        step = trainer.state.global_step
+        print(f"colab_kit: run {self.name!r} already reached step {step}; loaded its final weights "
+              f"instead of training again.")
+        self.journal.write("complete", step=step, checkpoint=str(checkpoint))
+        return TrainOutput(step, losses[-1] if losses else float("nan"), {"already_complete": True})
+
+    def checkpoint_store(self):
+        """A `CheckpointStore` for plain PyTorch loops that shares this run's folder and uploader."""
+        from .store import CheckpointStore
+
+        return CheckpointStore(self.drive_dir, keep=self.keep, local_dir=self.local_dir,
+                               _journal=self.journal, _notices=self.notices, _mirror=self.mirror)
+
+    def trainer_fingerprint(self, model, args) -> dict:
+        """What a checkpoint records about the model and the training arguments that matter."""
+        from .checkpoint import model_signature
+
+        fp = model_signature(model)
+        world = max(1, int(getattr(args, "world_size", 1) or 1))
+        fp["effective_batch"] = int(args.per_device_train_batch_size * args.gradient_accumulation_steps * world)
+        for key in ("per_device_train_batch_size", "gradient_accumulation_steps", "learning_rate",
+                    "seed", "max_steps", "num_train_epochs", "warmup_steps", "weight_decay"):
+            fp[key] = getattr(args, key, None)
+        fp["lr_scheduler_type"] = str(getattr(args, "lr_scheduler_type", ""))
+        return fp
+
+    def check_compatible(self, model, args) -> None:
+        """Stop before training when the checkpoint to resume from cannot fit this setup.
+
+        Raises:
+            ResumeMismatchError: different model shapes or effective batch, with the exact
+                call that starts fresh instead.
+        """
+        self.fingerprint = self.trainer_fingerprint(model, args)
+        if self.resume_manifest is None:
+            return
+        saved = self.resume_manifest.fingerprint
+        problems, notes = [], []
+        for key, value in self.fingerprint.items():
+            if key not in saved or saved[key] == value or key == "parameters":
+                continue
+            if key in _INCOMPATIBLE:
+                what = _INCOMPATIBLE[key]
+                if key == "model":
+                    problems.append(f"{what}: {saved.get('parameters', 0):,} parameters then, "
+                                    f"{self.fingerprint['parameters']:,} now, different tensors")
+                else:
+                    problems.append(f"{what}: {saved[key]} then, {value} now")
+            else:
+                notes.append(f"{key} {saved[key]} -> {value}")
+        if problems:
+            raise ResumeMismatchError(
+                f"checkpoint-{self.resume_manifest.step} in {self.drive_dir} was made by a different "
+                f"setup, so training cannot continue from it: " + "; ".join(problems) + ". "
+                f"Restore the old settings to continue, or start fresh (old checkpoints are moved "
+                f"to {self.drive_dir / ARCHIVE}): ck.start_run({self.name!r}, resume=False)")
+        if notes:
+            self.notices.add("resuming with changed settings: " + ", ".join(notes))
+            self.journal.write("warn", what="changed_settings", changes=notes)
+            self.notices.show()
+
+    def _adjust_args(self, args) -> None:
+        out = Path(args.output_dir).absolute()
+        if out == self.drive_dir or self.drive_dir in out.parents:
+            self.notices.add(f"output_dir {out} is inside the persistent folder: every save then "
+                             f"blocks on Drive. Use TrainingArguments(output_dir=run.local_dir); the "
+                             f"kit mirrors checkpoints to Drive in the background")
+        if args.save_total_limit is None:
+            # The kit keeps the history on Drive; unlimited local copies only fill the VM disk.
+            args.save_total_limit = max(self.keep, 2)
+        if getattr(args, "save_only_model", False):
+            self.notices.add("save_only_model=True: checkpoints hold no optimizer, scheduler or RNG "
+                             "state, so a resume will not continue exactly")
+        self.notices.show()
+
+    # -- main-thread housekeeping, called from the callbacks --------------------------------------
+    def _want_remount(self) -> None:
+        self._remount_wanted = True
+
+    def poll(self) -> None:
+        """Show queued warnings and remount Drive if the uploader asked (main thread only)."""
+        self.notices.show()
+        if self._remount_wanted and self.on_drive and time.monotonic() - self._last_remount > _REMOUNT_EVERY_S:
+            self._remount_wanted = False
+            self._last_remount = time.monotonic()
+            try:
+                remount_drive()
+                self.journal.write("warn", what="remounted_drive")
+            except Exception as exc:  # remounting is best effort; the uploader keeps retrying
+                self.notices.add(f"remounting Google Drive failed: {exc}")
+
+    def _lease_lost(self, holder: LeaseInfo | None) -> None:
+        who = f"host {holder.host}, pid {holder.pid}" if holder else "another runtime"
+        reason = f"another runtime ({who}) took over {self.drive_dir}; this one stopped syncing"
+        self.mirror.pause(reason)
+        self.notices.add(reason + ". Checkpoints from now on stay local to this runtime.")
+        self.journal.write("warn", what="lease_lost", holder=who)
+
+    # -- end -----------------------------------------------------------------------------------
+    def status(self) -> dict:
+        return {
+            "name": self.name,
+            "drive_dir": str(self.drive_dir),
+            "durable_step": self.mirror.durable_step,
+            "pending_steps": self.mirror.pending_steps,
+            "sync_failures": self.mirror.total_failures,
+            "unsynced_reason": self.mirror.unsynced_reason,
+            "train_seconds": round(self.clock.seconds, 1),
+        }
+
+    def finish(self, timeout: float | None = 600, status: str = "finished") -> dict:
+        """Wait for pending uploads, record the finish, release the run folder; idempotent.
+
+        When uploads cannot finish within `timeout` seconds (Drive down), says so and keeps the
+        uploader running: call `finish()` again to keep waiting.
+        """
+        if self._finished:
+            print(f"colab_kit: run {self.name!r} is already finished (newest durable checkpoint: "
+                  f"step {self._summary.get('durable_step')}).")
+            return dict(self._summary)
+        self.clock.stop()
+        self.poll()
+        drained = self.mirror.drain(timeout)
+        summary = self.status() | {"status": status, "synced": drained}
+        if not drained:
+            self.notices.add(
+                f"NOT YET ON DRIVE: checkpoint(s) {self.mirror.pending_steps} are only on local disk "
+                f"({self.mirror.unsynced_reason or 'upload still running'}). Keep this runtime "
+                f"connected and call run.finish() again to keep waiting.")
+            self.journal.write("warn", what="finish_unsynced", **summary)
+            self.notices.show()
+            return summary
+        self.journal.write("finish", **summary)
+        self.journal.flush()
+        self.mirror.close()
+        self.lease.release()
+        self._finished = True
+        self._summary = summary
+        _ACTIVE.pop(str(self.drive_dir), None)
+        self.notices.show()
+        durable = self.mirror.durable_step
+        where = f"step {durable} is durable in {self.drive_dir}" if durable is not None else \
+            f"no checkpoint was saved in this session; folder {self.drive_dir}"
+        print(f"colab_kit: run {self.name!r} {status}; {where}.")
+        if self.on_drive:
+            print("colab_kit: " + flush_hint())
+        return dict(summary)
+
+    def _require_open(self, what: str) -> None:
+        if self._finished:
+            raise ColabKitError(f"run {self.name!r} is finished, so it cannot {what}; start it again "
+                                f"(it resumes from its newest checkpoint): ck.start_run({self.name!r})")
+
+    def __enter__(self) -> "Run":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.finish(status="finished" if exc_type is None else "error")
+
+    def __repr__(self) -> str:
+        return f"Run({self.name!r}, drive_dir={str(self.drive_dir)!r}, resume_from={self.resume_from})"
+
+
+def _planned_max_steps(trainer) -> int | None:
+    """The Trainer's total optimizer steps, computed as `Trainer.set_initial_training_values` does."""
+    import math
+
+    args = trainer.args
+    if args.max_steps is not None and args.max_steps > 0:
+        return int(args.max_steps)
+    try:
+        batches = len(trainer.get_train_dataloader())
+    except (TypeError, ValueError):  # an iterable dataset without a length
+        return None
+    per_epoch = max(math.ceil(batches / args.gradient_accumulation_steps), 1)
+    return math.ceil(args.num_train_epochs * per_epoch)
+
+
+def _parse_save_every(save_every) -> tuple[float | None, int | None]:
+    if save_every is None:
+        return None, None
+    if isinstance(save_every, bool):
+        raise ValueError("save_every must be a duration such as \"10min\" or an int number of steps")
+    if isinstance(save_every, int):
+        if save_every < 1:
+            raise ValueError(f"save_every={save_every}: the number of steps must be at least 1")
+        return None, save_every
+    if isinstance(save_every, float):
+        raise ValueError(f"save_every={save_every}: give an int number of steps, or a duration "
+                         f"string such as \"90s\", \"10min\" or \"1h\"")
+    return parse_duration(save_every), None
+
+
+def _clean_local(local_dir: Path) -> None:
+    # Leftovers of a killed process: snapshots whose upload never finished (the checkpoints
+    # themselves are still there), half-fetched and half-staged folders.
+    shutil.rmtree(local_dir / SNAPSHOTS, ignore_errors=True)
+    for entry in local_dir.glob(".fetch-*"):
+        shutil.rmtree(entry, ignore_errors=True)
+    for entry in local_dir.glob(".staging-*"):
+        shutil.rmtree(entry, ignore_errors=True)
+
+
+def _archive_checkpoints(drive_dir: Path, local_dir: Path) -> Path | None:
+    """Move old checkpoints aside for a fresh start (nothing is deleted from Drive)."""
+    moved = None
+    if list_checkpoints(drive_dir / CHECKPOINTS):
+        stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+        moved = drive_dir / ARCHIVE / f"checkpoints-{stamp}"
+        storage.make_dirs(moved.parent)
+        os.replace(drive_dir / CHECKPOINTS, moved)
+    for _, path in list_checkpoints(local_dir):
+        shutil.rmtree(path, ignore_errors=True)
+    return moved
+
+
+def start_run(name: str, *, drive: str | os.PathLike | None = None, local_dir: str | os.PathLike | None = None,
+              save_every: str | int | None = "10min", keep: int = 3, resume: bool = True,
+              takeover: bool = False, heartbeat_s: float = 30.0, quiet: bool = False) -> Run:
+    """Open (or reopen) a run whose checkpoints survive a runtime reset.
+
+    Args:
+        name: the run's name; its folder is `<root>/<name>/`.
+        drive: the root folder playing the role of `MyDrive/colab_kit` (default: Google Drive in
+            Colab, `$COLAB_KIT_DRIVE` when set, else `./drive`).
+        local_dir: fast local scratch for the Trainer's `output_dir` (default: under /content in
+            Colab, `./scratch/<name>` elsewhere).
+        save_every: a duration of training time ("90s", "10min", "1h") or an int number of
+            optimizer steps; None leaves saving to the Trainer's own `save_steps`. A final
+            checkpoint is always saved at the last step.
+        keep: checkpoints kept on the persistent folder.
+        resume: False starts fresh, moving existing checkpoints to `<drive_dir>/archive/`.
+        takeover: take the run folder over from another live runtime.
+        heartbeat_s: lease heartbeat interval (a lease is stale after 4 missed beats).
+        quiet: do not print the summary.
+
+    Returns:
+        The `Run`; `run.resume_from` is the checkpoint to continue from, or None.
+
+    Raises:
+        ValueError: bad arguments. DriveError: the persistent folder cannot be used.
+        LeaseHeldError: another live runtime is writing this run (see `takeover`).
+    """
+    if not isinstance(name, str) or not _NAME_OK.match(name):
+        raise ValueError(f"run name {name!r}: use letters, digits, '.', '_' and '-' (it becomes a "
+                         f"folder name), for example ck.start_run('rna-bert')")
+    if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
+        raise ValueError(f"keep={keep!r}: keep at least 1 checkpoint on Drive")
+    save_every_s, save_every_steps = _parse_save_every(save_every)
+
+    runtime = detect_runtime()
+    root, on_drive = resolve_root(drive)
+    drive_dir = root / name
+    try:
+        storage.make_dirs(drive_dir / CHECKPOINTS)
+    except OSError as exc:
+        raise DriveError(f"cannot create the run folder {drive_dir}: {exc}. Check that the folder "
+                         f"is writable (and, on Drive, that it is not full), or pass drive='<another "
+                         f"folder>'") from exc
+    local = Path(local_dir).absolute() if local_dir is not None else _default_local_dir(name)
+    local.mkdir(parents=True, exist_ok=True)
+
+    previous = _ACTIVE.get(str(drive_dir))
+    if previous is not None and previous() is not None and not previous()._finished:
+        old = previous()
+        print(f"colab_kit: closing the earlier open run {name!r} of this kernel first")
+        old.finish(timeout=120, status="restarted")
+
+    lease = Lease(drive_dir, heartbeat_s=heartbeat_s)
+    replaced = lease.acquire(takeover=takeover, run_name=name)
+    notices = Notices()
+    journal = Journal(drive_dir / EVENTS, local_copy=local / EVENTS)
+    _clean_local(local)
+
+    archived = None if resume else _archive_checkpoints(drive_dir, local)
+    run = Run(name, drive_dir, local, on_drive=on_drive, save_every_s=save_every_s,
+              save_every_steps=save_every_steps, keep=keep, runtime=runtime, lease=lease,
+              journal=journal, notices=notices)
+
+    def skipped(path: Path, reason: str) -> None:
+        notices.add(f"skipping checkpoint {path}: {reason}")
+        journal.write("warn", what="invalid_checkpoint", path=str(path), reason=reason)
+
+    found: Found | None = None
+    if resume:
+        found = find_latest([("drive", drive_dir / CHECKPOINTS), ("local", local)], local, on_skip=skipped)
+    if found is not None:
+        run.resume_from, run.resume_manifest = found.path, found.manifest
+        try:
+            run.resume_state = json.loads((found.path / KIT_STATE).read_text())
+        except (OSError, ValueError):
+            run.resume_state = {}
+        run.clock = _TrainClock(run.resume_state.get("train_seconds", 0.0))
+        for step, path in list_checkpoints(local):
+            if step > found.step:  # unverifiable leftovers newer than what we resume from
+                shutil.rmtree(path, ignore_errors=True)
+        if found.origin == "drive":
+            run.mirror.durable_step = found.step
+        else:
+            # Found on local disk (a kernel restart on the same VM): its upload may never have
+            # finished, so queue it; the uploader skips it when Drive already has it.
+            run.mirror.submit(take_snapshot(found.path, local / SNAPSHOTS, found.step,
+                                            found.manifest.fingerprint))
+
+    journal.write("start", run=name, drive_dir=str(drive_dir), local_dir=str(local),
+                  host=lease.info.host, pid=lease.info.pid, colab=runtime.colab,
+                  gpu=runtime.gpu.name if runtime.gpu else None, ram_limit=runtime.ram_limit_bytes,
+                  save_every=save_every, keep=keep, took_over=replaced.host if replaced else None)
+    if archived is not None:
+        journal.write("archive", moved_to=str(archived))
+    if found is not None:
+        journal.write("resume", step=found.step, origin=found.origin, source=str(found.source),
+                      checkpoint_age_s=round(time.time() - found.manifest.created, 1),
+                      train_seconds=round(run.clock.seconds, 1))
+    lease.start_heartbeat(run._lease_lost)
+    _ACTIVE[str(drive_dir)] = weakref.ref(run)
+    atexit.register(_finish_at_exit, weakref.ref(run))
+
+    if not quiet:
+        lines = [f"colab_kit · run {name!r}", *("  " + line for line in runtime.describe().splitlines()),
+                 f"  persistent folder: {drive_dir}" + (" (Google Drive)" if on_drive else ""),
+                 f"  local folder: {local}"]
+        every = f"{save_every} of training" if save_every_s else (
+            f"{save_every_steps} steps" if save_every_steps else "the Trainer's save_steps")
+        lines.append(f"  saves: every {every} and at the end; {keep} kept on the persistent folder")
+        if replaced is not None:
+            lines.append(f"  took over the run folder from host {replaced.host}, pid {replaced.pid}")
+        if archived is not None:
+            lines.append(f"  fresh start: earlier checkpoints moved to {archived}")
+        if found is not None:
+            age = format_age(time.time() - found.manifest.created)
+            lines.append(f"  resume: checkpoint-{found.step} (step {found.step}, saved {age} ago, "
+                         f"{format_bytes(found.manifest.total_bytes)}, from "
+                         f"{'Drive' if found.origin == 'drive' else 'local disk'})")
+        else:
+            lines.append("  resume: no checkpoint found, starting fresh")
+        print("\n".join(lines))
+    notices.show()
+    return run
+
+
+def _finish_at_exit(ref: "weakref.ref[Run]") -> None:
+    run = ref()
+    if run is not None and not run._finished:
+        try:
+            run.finish(timeout=120, status="exit")
+        except Exception as exc:  # never let an exit handler raise
+            log.warning("colab_kit: finishing run at exit failed: %s", exc)
