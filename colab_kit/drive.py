@@ -19,7 +19,7 @@ __all__ = ["ENV_DRIVE", "COLAB_MOUNT", "resolve_root", "mount_drive", "remount_d
 
 ENV_DRIVE = "COLAB_KIT_DRIVE"
 COLAB_MOUNT = "/content/drive"
-COLAB_SUBDIR = "MyDrive/colab_kit"
+COLAB_SUBDIR = "colab_kit"  # under MyDrive
 LOCAL_DEFAULT = "drive"
 log = logging.getLogger(__name__)
 
@@ -39,14 +39,14 @@ def _drive_module():
     return drive
 
 
-def mount_drive(mountpoint: str = COLAB_MOUNT) -> Path:
+def mount_drive(mountpoint: str | None = None) -> Path:
     """Mount Google Drive (a no-op when it is mounted); returns the MyDrive folder.
 
     Never writes under the mount point before mounting (mounting fails on a non-empty folder),
     and remounts with `force_remount=True` when the mount answers errno 107 ("Transport
     endpoint is not connected"), which happens hours into long runs.
     """
-    mp = Path(mountpoint)
+    mp = Path(mountpoint or COLAB_MOUNT)
     try:
         if _is_mounted(mp):
             return mp / "MyDrive"
@@ -79,9 +79,9 @@ def mount_drive(mountpoint: str = COLAB_MOUNT) -> Path:
     return mp / "MyDrive"
 
 
-def remount_drive(mountpoint: str = COLAB_MOUNT) -> None:
+def remount_drive(mountpoint: str | None = None) -> None:
     """Force a remount after errno 107 (main thread only: it may ask for authorisation)."""
-    _drive_module().mount(mountpoint, force_remount=True)
+    _drive_module().mount(mountpoint or COLAB_MOUNT, force_remount=True)
 
 
 def resolve_root(drive: str | os.PathLike | None = None) -> tuple[Path, bool]:

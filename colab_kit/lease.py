@@ -48,6 +48,7 @@ class LeaseInfo:
     started: float
     heartbeat: float
     heartbeat_s: float
+    released: bool = False
 
 
 def read_lease(path: str | Path) -> LeaseInfo | None:
@@ -57,7 +58,7 @@ def read_lease(path: str | Path) -> LeaseInfo | None:
         path = path / LEASE
     try:
         obj = json.loads(path.read_text())
-        return LeaseInfo(**{k: obj[k] for k in LeaseInfo.__dataclass_fields__})
+        return LeaseInfo(**{k: obj[k] for k in LeaseInfo.__dataclass_fields__ if k in obj})
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError):
@@ -67,6 +68,8 @@ def read_lease(path: str | Path) -> LeaseInfo | None:
 def lease_staleness(info: LeaseInfo, now: float | None = None) -> str | None:
     """Why `info` no longer protects its run (a reason), or None while it is live."""
     now = time.time() if now is None else now
+    if info.released:
+        return "it was released when its run finished"
     if info.host == socket.gethostname():
         start = _process_start(info.pid)
         if start is None:
@@ -158,7 +161,11 @@ class Lease:
         self._thread.start()
 
     def release(self) -> None:
-        """Stop the heartbeat and remove the lease if it is still ours."""
+        """Stop the heartbeat and mark the lease released if it is still ours.
+
+        The file stays (marked released) rather than being deleted, so that a runtime this one
+        took the folder from still sees, at its next heartbeat, that it no longer owns it.
+        """
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
@@ -167,6 +174,7 @@ class Lease:
         try:
             current = read_lease(self.path)
             if current is not None and current.session == self.info.session:
-                self.path.unlink()
+                self.info.released = True
+                self._write()
         except OSError as exc:
-            log.warning("could not remove the lease %s: %s (it goes stale by itself)", self.path, exc)
+            log.warning("could not release the lease %s: %s (it goes stale by itself)", self.path, exc)

@@ -290,7 +290,7 @@ class Run:
         self.poll()
         drained = self.mirror.drain(timeout)
         summary = self.status() | {"status": status, "synced": drained}
-        if not drained:
+        if not drained and not self.mirror.paused:  # paused: another runtime owns the folder now
             self.notices.add(
                 f"NOT YET ON DRIVE: checkpoint(s) {self.mirror.pending_steps} are only on local disk "
                 f"({self.mirror.unsynced_reason or 'upload still running'}). Keep this runtime "

@@ -137,10 +137,16 @@ class Mirror:
         with self._cond:
             return [s.step for s in (self._current, self._queued) if s is not None]
 
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
     def drain(self, timeout: float | None = None) -> bool:
-        """Wait until every submitted checkpoint is durable; False on timeout."""
+        """Wait until every submitted checkpoint is durable; False on timeout or when paused."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
+            if self._paused:
+                return False
             while self._current is not None or self._queued is not None:
                 if self._paused:
                     return False

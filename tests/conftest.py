@@ -1,0 +1,116 @@
+"""Shared fixtures. Hardware and Colab are faked at one seam each:
+
+- Drive trouble: `colab_kit.storage` functions (`DriveFaults`),
+- Colab: a stand-in `google.colab` package in `sys.modules` (`fake_colab`),
+- NVML and cgroups: a fake `pynvml` module and fake /proc, /sys files (in the tests).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import sys
+import threading
+import types
+from pathlib import Path
+
+import pytest
+
+from colab_kit import storage
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def drive(tmp_path) -> Path:
+    """A temp folder standing in for MyDrive/colab_kit."""
+    path = tmp_path / "drive"
+    path.mkdir()
+    return path
+
+
+@pytest.fixture
+def local(tmp_path) -> Path:
+    """A temp folder standing in for /content (the VM's local disk)."""
+    path = tmp_path / "local"
+    path.mkdir()
+    return path
+
+
+class DriveFaults:
+    """Makes every persistent-folder operation under `root` fail with `errno` while active.
+
+    Patches the functions of `colab_kit.storage` (the kit's only path to the persistent folder),
+    plus reads of manifests, so the failure looks like a Drive mount that went away.
+    """
+
+    def __init__(self, monkeypatch, root: Path):
+        self.root = Path(root)
+        self.errno: int | None = None
+        self.calls = 0
+        for name in ("copy_file", "atomic_write_bytes", "append_line", "make_dirs", "remove_tree"):
+            original = getattr(storage, name)
+            monkeypatch.setattr(storage, name, self._wrap(original))
+
+    def _wrap(self, original):
+        def wrapper(*args, **kwargs):
+            paths = [Path(a) for a in args if isinstance(a, (str, os.PathLike))]
+            hit = [p for p in paths if self.root == p or self.root in p.parents]
+            if self.errno is not None and hit:
+                self.calls += 1
+                raise OSError(self.errno, os.strerror(self.errno), str(hit[0]))
+            return original(*args, **kwargs)
+
+        return wrapper
+
+    def fail(self, code: int = errno.ENOSPC) -> None:
+        self.errno = code
+
+    def heal(self) -> None:
+        self.errno = None
+
+
+@pytest.fixture
+def drive_faults(monkeypatch, drive):
+    return DriveFaults(monkeypatch, drive)
+
+
+@pytest.fixture
+def fake_colab(monkeypatch, tmp_path):
+    """A stand-in `google.colab` whose `drive.mount` records calls and creates MyDrive."""
+    calls = []
+    google = types.ModuleType("google")
+    colab = types.ModuleType("google.colab")
+    drive_mod = types.ModuleType("google.colab.drive")
+
+    def mount(mountpoint, force_remount=False, **kwargs):
+        calls.append((mountpoint, force_remount))
+        Path(mountpoint, "MyDrive").mkdir(parents=True, exist_ok=True)
+
+    drive_mod.mount = mount
+    drive_mod.flush_and_unmount = lambda *a, **k: None
+    colab.drive = drive_mod
+    google.colab = colab
+    google.__path__ = []
+    monkeypatch.setitem(sys.modules, "google", google)
+    monkeypatch.setitem(sys.modules, "google.colab", colab)
+    monkeypatch.setitem(sys.modules, "google.colab.drive", drive_mod)
+    colab.calls = calls
+    return colab
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_threads():
+    """Fail a test that leaves a kit thread running (an unfinished run or store)."""
+    before = {t.ident for t in threading.enumerate()}
+    yield
+    import time
+
+    deadline = time.monotonic() + 5
+    while True:
+        leaked = [t for t in threading.enumerate() if t.ident not in before and t.name.startswith("colab_kit")
+                  and t.is_alive()]
+        if not leaked or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert not leaked, f"threads left running: {[t.name for t in leaked]} (call run.finish()/store.close())"

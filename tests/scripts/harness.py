@@ -1,0 +1,119 @@
+"""Run tiny_job.py in subprocesses, kill it, restart it, and check what survived.
+
+Used by tests/test_e2e_resume.py (a few kills) and bench/kill_anywhere.py (many).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+JOB = Path(__file__).with_name("tiny_job.py")
+PHASES = ("step", "local_save", "upload", "manifest", "prune", "journal", "fetch")
+
+
+@dataclass
+class Job:
+    root: Path
+    loop: str = "trainer"
+    steps: int = 60
+    save_every: int = 10
+    name: str = "job"
+    step_sleep: float = 0.0
+    log: list = field(default_factory=list)
+
+    @property
+    def drive(self) -> Path:
+        return self.root / "drive"
+
+    @property
+    def local(self) -> Path:
+        return self.root / "local"
+
+    @property
+    def run_dir(self) -> Path:
+        return self.drive / self.name
+
+    def command(self, out: Path, kill: str | None) -> list[str]:
+        cmd = [sys.executable, str(JOB), "--drive", str(self.drive), "--local", str(self.local),
+               "--out", str(out), "--name", self.name, "--loop", self.loop, "--steps", str(self.steps),
+               "--save-every", str(self.save_every), "--step-sleep", str(self.step_sleep)]
+        return cmd + (["--kill", kill] if kill else [])
+
+    def start(self, kill: str | None = None, out: Path | None = None) -> subprocess.Popen:
+        out = out or self.root / "final.safetensors"
+        env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+        env.pop("COLAB_KIT_DRIVE", None)
+        return subprocess.Popen(self.command(out, kill), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, env=env, cwd=self.root)
+
+    def run(self, kill: str | None = None, timeout: float = 300, out: Path | None = None) -> tuple[int, str]:
+        proc = self.start(kill, out)
+        text, _ = proc.communicate(timeout=timeout)
+        self.log.append((kill, proc.returncode, text))
+        return proc.returncode, text
+
+    def run_and_kill_after(self, seconds: float, timeout: float = 300) -> tuple[int, str]:
+        """Start the job and SIGKILL it from outside after `seconds` (if still running)."""
+        proc = self.start()
+        try:
+            proc.wait(timeout=seconds)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGKILL)
+        text, _ = proc.communicate(timeout=timeout)
+        self.log.append((f"after {seconds:.2f}s", proc.returncode, text))
+        return proc.returncode, text
+
+    def new_vm(self) -> None:
+        """Wipe local disk, as a Colab runtime reset does; only the Drive folder survives."""
+        shutil.rmtree(self.local, ignore_errors=True)
+
+    def events(self) -> list[dict]:
+        from colab_kit.journal import read_events
+
+        return read_events(self.run_dir / "events.jsonl")
+
+
+def last_saved_step(job: Job) -> int:
+    """Highest step the job reported saving (journal on Drive, plus its local copy if still there)."""
+    from colab_kit.journal import read_events
+
+    steps = [e["step"] for e in job.events() if e["event"] == "save"]
+    steps += [e["step"] for e in read_events(job.local / job.name / "events.jsonl") if e["event"] == "save"]
+    return max(steps, default=0)
+
+
+def resumed_step(job: Job) -> int:
+    """The step the newest start of the job resumed from (0 for a fresh start)."""
+    events = job.events()
+    starts = [i for i, e in enumerate(events) if e["event"] == "start"]
+    if not starts:
+        return 0
+    after = events[starts[-1]:]
+    resumes = [e for e in after if e["event"] == "resume"]
+    return resumes[0]["step"] if resumes else 0
+
+
+def load_weights(path: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+def max_abs_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def reference_weights(root: Path, loop: str, steps: int = 60, save_every: int = 10) -> dict:
+    """Final weights of an uninterrupted run."""
+    job = Job(root, loop=loop, steps=steps, save_every=save_every, name="reference")
+    code, text = job.run()
+    assert code == 0, text[-3000:]
+    return load_weights(root / "final.safetensors")

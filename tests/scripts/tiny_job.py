@@ -1,0 +1,183 @@
+"""A tiny training job for end-to-end tests: run it, SIGKILL it anywhere, run it again.
+
+    python tiny_job.py --drive D --local L --out final.safetensors [--loop trainer|plain]
+                       [--kill PHASE:K] [--step-sleep S]
+
+--kill makes the job SIGKILL itself the K-th time it reaches PHASE, in the middle of the
+operation (half a chunk written, a manifest half renamed, ...):
+  step        after an optimizer step          local_save  between model and optimizer files
+  upload      half-way through a data file     manifest    half-way through MANIFEST.json's temp
+  prune       after a manifest was removed     journal     half-way through an events.jsonl line
+  fetch       while copying a checkpoint back from Drive at resume
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+
+def die() -> None:
+    sys.stdout.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+class Killer:
+    def __init__(self, spec: str | None):
+        self.phase, self.k = (spec.split(":")[0], int(spec.split(":")[1])) if spec else (None, 0)
+        self.seen = 0
+
+    def hit(self, phase: str) -> bool:
+        if phase != self.phase:
+            return False
+        self.seen += 1
+        return self.seen == self.k
+
+
+def install_kill_hooks(killer: Killer, drive: Path) -> None:
+    from colab_kit import checkpoint, storage, store
+
+    write_chunk = storage._write_chunk
+
+    def chunk(fh, data):
+        name = getattr(fh, "name", "")
+        if str(drive) in str(name):
+            phase = "manifest" if "MANIFEST.json" in str(name) else "upload"
+            if killer.hit(phase):
+                fh.write(data[: max(1, len(data) // 2)])
+                fh.flush()
+                die()
+        if ".fetch-" in str(name) and killer.hit("fetch"):
+            fh.write(data[: len(data) // 2])
+            fh.flush()
+            die()
+        write_chunk(fh, data)
+
+    storage._write_chunk = chunk
+
+    append_line = storage.append_line
+
+    def journal(path, line):
+        if str(drive) in str(path) and line.strip() and killer.hit("journal"):
+            with open(path, "a") as fh:
+                fh.write(line[: len(line) // 2])
+            die()
+        append_line(path, line)
+
+    storage.append_line = journal
+
+    invalidate = checkpoint._invalidate_and_remove
+
+    def prune(path):
+        if killer.hit("prune"):
+            (path / "MANIFEST.json").unlink(missing_ok=True)
+            die()
+        invalidate(path)
+
+    checkpoint._invalidate_and_remove = prune
+
+    save_fsynced = store._save_fsynced
+
+    def plain_local_save(obj, path):
+        if Path(path).name == "optimizer.pt" and killer.hit("local_save"):
+            die()
+        save_fsynced(obj, path)
+
+    store._save_fsynced = plain_local_save
+
+    from transformers import Trainer
+
+    save_opt = Trainer._save_optimizer_and_scheduler
+
+    def trainer_local_save(self, output_dir):
+        if killer.hit("local_save"):
+            die()
+        save_opt(self, output_dir)
+
+    Trainer._save_optimizer_and_scheduler = trainer_local_save
+
+
+def run_trainer(args, killer: Killer):
+    from transformers import TrainerCallback
+
+    import colab_kit as ck
+    from colab_kit.demo import tiny_trainer
+
+    class Hooks(TrainerCallback):
+        def on_step_end(self, a, state, control, **kw):
+            time.sleep(args.step_sleep)
+            if killer.hit("step"):
+                die()
+
+    run = ck.start_run(args.name, drive=args.drive, local_dir=args.local, save_every=args.save_every,
+                       heartbeat_s=1.0)
+    trainer = tiny_trainer(run, max_steps=args.steps, dropout=0.1, callbacks=[Hooks()])
+    output = run.train(trainer)
+    return trainer.model, output.global_step
+
+
+def run_plain(args, killer: Killer):
+    import torch
+
+    import colab_kit as ck
+    from colab_kit.demo import tiny_bert_config, toy_classification
+    from transformers import BertForSequenceClassification
+
+    run = ck.start_run(args.name, drive=args.drive, local_dir=args.local, save_every=None, heartbeat_s=1.0)
+    store = run.checkpoint_store()
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(tiny_bert_config(dropout=0.1))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 - s / args.steps)
+    data = toy_classification(n=256)
+    ids, labels = torch.tensor(data["input_ids"]), torch.tensor(data["labels"])
+    batch, n = 16, len(labels)
+    step = store.restore_latest(model=model, optimizer=opt, scheduler=sched) or 0
+    model.train()
+    while step < args.steps:
+        epoch, pos = divmod(step * batch, n)
+        # The data order is a function of (seed, epoch): a resume jumps to its position by index.
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(1000 + epoch))
+        idx = order[pos:pos + batch]
+        loss = model(input_ids=ids[idx], labels=labels[idx]).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+        step += 1
+        time.sleep(args.step_sleep)
+        if killer.hit("step"):
+            die()
+        if step % args.save_every == 0 or step == args.steps:
+            store.save(step, model=model, optimizer=opt, scheduler=sched)
+    run.finish()
+    return model, step
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--drive", required=True)
+    parser.add_argument("--local", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--name", default="job")
+    parser.add_argument("--loop", choices=["trainer", "plain"], default="trainer")
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--save-every", type=int, default=10)
+    parser.add_argument("--kill", default=None)
+    parser.add_argument("--step-sleep", type=float, default=0.0)
+    args = parser.parse_args()
+    killer = Killer(args.kill)
+    install_kill_hooks(killer, Path(args.drive).absolute())
+    model, step = (run_trainer if args.loop == "trainer" else run_plain)(args, killer)
+    from safetensors.torch import save_model
+
+    save_model(model, args.out)
+    print(f"FINAL step={step}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

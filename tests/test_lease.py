@@ -1,0 +1,86 @@
+"""One writer per run folder."""
+
+import json
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+
+import pytest
+
+from colab_kit.errors import LeaseHeldError
+from colab_kit.lease import LEASE, Lease, LeaseInfo, lease_staleness, read_lease
+
+
+def _foreign_lease(drive, **overrides) -> LeaseInfo:
+    info = LeaseInfo(host="other-vm", pid=4242, pid_start=None, session="theirs", started=time.time(),
+                     heartbeat=time.time(), heartbeat_s=30.0)
+    for key, value in overrides.items():
+        setattr(info, key, value)
+    (drive / LEASE).write_text(json.dumps(asdict(info)))
+    return info
+
+
+def test_live_lease_of_another_runtime_stops_with_the_way_out(drive):
+    _foreign_lease(drive)
+    with pytest.raises(LeaseHeldError, match=r"host other-vm, pid 4242.*start_run\('rna', takeover=True\)"):
+        Lease(drive).acquire(run_name="rna")
+    assert read_lease(drive).session == "theirs"  # untouched
+
+
+def test_takeover_replaces_a_live_lease(drive):
+    _foreign_lease(drive)
+    lease = Lease(drive)
+    previous = lease.acquire(takeover=True)
+    assert previous.host == "other-vm" and read_lease(drive).session == lease.info.session
+
+
+def test_old_heartbeat_is_stale(drive):
+    _foreign_lease(drive, heartbeat=time.time() - 5 * 30)
+    assert "heartbeat" in lease_staleness(read_lease(drive))
+    assert Lease(drive).acquire().host == "other-vm"
+
+
+def test_dead_process_on_this_host_is_stale(drive):
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    _foreign_lease(drive, host=socket.gethostname(), pid=proc.pid)
+    assert "ended" in lease_staleness(read_lease(drive))
+    Lease(drive).acquire()
+
+
+def test_reused_pid_is_recognised_by_its_start_time(drive):
+    import os
+
+    _foreign_lease(drive, host=socket.gethostname(), pid=os.getppid(), pid_start=1.0)
+    assert "different process" in lease_staleness(read_lease(drive))
+
+
+def test_same_process_may_reopen_its_run(drive):
+    first = Lease(drive)
+    first.acquire()
+    Lease(drive).acquire()  # re-running the start_run cell in the same kernel
+
+
+def test_heartbeat_notices_a_takeover(drive):
+    mine = Lease(drive, heartbeat_s=0.05)
+    mine.acquire()
+    lost = []
+    mine.start_heartbeat(on_lost=lost.append)
+    Lease(drive).acquire(takeover=True)
+    deadline = time.monotonic() + 5
+    while not lost and time.monotonic() < deadline:
+        time.sleep(0.02)
+    mine.release()
+    assert mine.lost and lost and lost[0].session != mine.info.session
+    assert read_lease(drive) is not None  # the new holder's lease is not removed by the loser
+
+
+def test_release_marks_the_lease_released_and_frees_the_folder(drive):
+    lease = Lease(drive)
+    lease.acquire()
+    lease.release()
+    assert read_lease(drive).released and "released" in lease_staleness(read_lease(drive))
+    _foreign_lease(drive, released=True)
+    Lease(drive).acquire()  # a released lease holds nobody out
