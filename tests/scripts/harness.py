@@ -6,6 +6,7 @@ Used by tests/test_e2e_resume.py (a few kills) and bench/kill_anywhere.py (many)
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -89,15 +90,20 @@ def last_saved_step(job: Job) -> int:
     return max(steps, default=0)
 
 
-def resumed_step(job: Job) -> int:
-    """The step the newest start of the job resumed from (0 for a fresh start)."""
-    events = job.events()
-    starts = [i for i, e in enumerate(events) if e["event"] == "start"]
-    if not starts:
-        return 0
-    after = events[starts[-1]:]
-    resumes = [e for e in after if e["event"] == "resume"]
-    return resumes[0]["step"] if resumes else 0
+_RESUMED = re.compile(r"resume: checkpoint-(\d+) ")
+
+
+def resumed_from(text: str) -> int | None:
+    """The step a run resumed from, from its printed start summary: 0 for a fresh start, None
+    when it was killed before printing it (while fetching its checkpoint from Drive).
+
+    The printed summary is read rather than events.jsonl because a kill half-way through the
+    `resume` journal line leaves that line torn (and so unreadable) after a successful resume.
+    """
+    match = _RESUMED.search(text)
+    if match:
+        return int(match.group(1))
+    return 0 if "no checkpoint found, starting fresh" in text else None
 
 
 def load_weights(path: Path) -> dict:
@@ -113,6 +119,7 @@ def max_abs_diff(a: dict, b: dict) -> float:
 
 def reference_weights(root: Path, loop: str, steps: int = 60, save_every: int = 10) -> dict:
     """Final weights of an uninterrupted run."""
+    root.mkdir(parents=True, exist_ok=True)
     job = Job(root, loop=loop, steps=steps, save_every=save_every, name="reference")
     code, text = job.run()
     assert code == 0, text[-3000:]
