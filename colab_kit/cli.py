@@ -111,9 +111,11 @@ def main(argv: list[str] | None = None) -> int:
     p_status.add_argument("run_dir")
     p_status.add_argument("-n", "--events", type=int, default=10, help="how many recent events to show")
     p_status.add_argument("--quick", action="store_true", help="check sizes only, skip sha256")
-    p_demo = sub.add_parser("demo", help="a tiny training run through the kit (CPU, under a minute)")
-    p_demo.add_argument("args", nargs=argparse.REMAINDER)
-    args = parser.parse_args(argv)
+    sub.add_parser("demo", help="a tiny training run through the kit (CPU, under a minute); "
+                               "`demo --help` lists its options", add_help=False)
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command != "demo":
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "run":
         params = {name: _literal(value) for name, value in args.parameter}
         return run_notebook(args.notebook, params, args.output, args.timeout)
@@ -121,4 +123,4 @@ def main(argv: list[str] | None = None) -> int:
         return show_status(args.run_dir, args.events, args.quick)
     from .demo import main as demo_main
 
-    return demo_main(args.args)
+    return demo_main(extra)

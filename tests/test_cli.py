@@ -1,0 +1,74 @@
+"""python -m colab_kit: status, run (papermill) and demo."""
+
+import json
+import subprocess
+import sys
+
+import nbformat
+import pytest
+
+from colab_kit.cli import _literal, main
+
+
+def test_status_lists_checkpoints_lease_and_events(drive, local, capsys):
+    from colab_kit.demo import tiny_trainer
+    import colab_kit as ck
+
+    run = ck.start_run("st", drive=drive, local_dir=local, save_every=5, quiet=True)
+    run.train(tiny_trainer(run, max_steps=10))
+    (drive / "st" / "checkpoints" / "checkpoint-10" / "model.safetensors").write_bytes(b"broken")
+    capsys.readouterr()
+    assert main(["status", str(drive / "st"), "-n", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "lease: host" in out and "released" in out
+    assert "checkpoint-10" in out and "INVALID" in out and "checkpoint-5" in out and "valid" in out
+    assert "resume would use: checkpoint-5" in out
+    assert "last 3 of" in out and "finish" in out
+
+
+def test_status_of_a_missing_folder_says_what_a_run_folder_is(tmp_path, capsys):
+    assert main(["status", str(tmp_path / "nope")]) == 2
+    assert "no run folder" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text, value", [("20", 20), ("None", None), ("quick", "quick"), ("0.5", 0.5),
+                                         ("'a b'", "a b"), ("True", True)])
+def test_parameter_values_are_python_literals_or_text(text, value):
+    assert _literal(text) == value
+
+
+def test_run_executes_a_notebook_with_parameters(tmp_path, monkeypatch):
+    nb = nbformat.v4.new_notebook()
+    params = nbformat.v4.new_code_cell("STEPS = 1\nNAME = 'x'")
+    params.metadata["tags"] = ["parameters"]
+    nb.cells = [params, nbformat.v4.new_code_cell(
+        "import json\nopen('result.json', 'w').write(json.dumps({'steps': STEPS, 'name': NAME}))")]
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    src = tmp_path / "tiny.ipynb"
+    nbformat.write(nb, src)
+    monkeypatch.chdir(tmp_path)
+    proc = subprocess.run([sys.executable, "-m", "colab_kit", "run", str(src), "-p", "STEPS", "7",
+                           "-p", "NAME", "demo"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert json.loads((tmp_path / "result.json").read_text()) == {"steps": 7, "name": "demo"}
+    assert (tmp_path / "outputs" / "tiny.ipynb").exists()
+
+
+def test_run_reports_the_failing_cell(tmp_path, monkeypatch):
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell("raise ValueError('bad input file')")]
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, tmp_path / "bad.ipynb")
+    monkeypatch.chdir(tmp_path)
+    proc = subprocess.run([sys.executable, "-m", "colab_kit", "run", "bad.ipynb"], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 1 and "ValueError: bad input file" in proc.stderr
+
+
+def test_demo_runs_and_a_second_run_does_not_train_again(tmp_path):
+    cmd = [sys.executable, "-m", "colab_kit", "demo", "--steps", "30", "--drive", str(tmp_path / "d")]
+    first = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    assert "demo: 30 steps, held-out accuracy" in first.stdout
+    second = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert "already reached step 30" in second.stdout

@@ -1,0 +1,82 @@
+"""The project's own files keep their promises: README commands, CI, requirements, API surface."""
+
+import importlib
+import pkgutil
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import colab_kit
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+
+
+def readme_commands() -> list[str]:
+    block = README.split("```bash", 1)[1].split("```", 1)[0]
+    return [line for line in block.splitlines() if line and not line.startswith("#")]
+
+
+def test_readme_first_screen_has_exactly_two_setup_commands():
+    first_screen = "\n".join(README.splitlines()[:30])
+    assert "```bash" in first_screen
+    commands = readme_commands()
+    assert len(commands) == 2
+    assert commands[0].endswith("-m colab_kit demo") or " run notebooks/" in commands[0]
+    assert commands[1].endswith("-m pytest -q")
+
+
+def test_ci_runs_the_readme_test_command():
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert readme_commands()[1] in ci.splitlines()
+
+
+def test_requirements_are_lower_bounds_only_and_colab_friendly():
+    lines = [line.split("#")[0].strip() for line in (ROOT / "requirements.txt").read_text().splitlines()]
+    reqs = [line for line in lines if line]
+    assert reqs
+    for req in reqs:
+        assert re.fullmatch(r"[A-Za-z0-9_.\-]+>=[0-9.]+", req), f"{req}: use a lower bound only"
+    widgets = [r for r in reqs if r.startswith("ipywidgets")]
+    assert widgets == ["ipywidgets>=7.7"]  # Colab ships 7.7.1: never require 8
+
+
+def test_repository_url_is_kept_in_one_place_and_used_by_the_readme():
+    url = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["urls"]["Repository"]
+    assert f"git+{url}" in README
+    for notebook in (ROOT / "notebooks").glob("*.ipynb"):
+        text = notebook.read_text()
+        if "pip install" in text and "git+" in text:
+            assert f"git+{url}" in text, notebook.name
+
+
+def test_public_api_is_exactly_the_exported_names():
+    expected = {
+        "start_run", "Run", "CheckpointStore", "read_events", "detect_runtime", "in_colab", "in_notebook",
+        "ColabKitError", "ColabKitWarning", "DriveError", "LeaseHeldError", "ResumeMismatchError",
+        "CheckpointError",
+    }
+    assert set(colab_kit.__all__) == expected
+    public = {name for name in vars(colab_kit) if not name.startswith("_")}
+    modules = {m.name for m in pkgutil.iter_modules(colab_kit.__path__)}
+    assert public - modules - {"annotations"} == expected
+
+
+def test_every_public_module_declares_all():
+    for info in pkgutil.iter_modules(colab_kit.__path__):
+        if info.name.startswith("_"):
+            continue
+        module = importlib.import_module(f"colab_kit.{info.name}")
+        assert hasattr(module, "__all__"), f"colab_kit.{info.name} has no __all__"
+        for name in module.__all__:
+            assert hasattr(module, name), f"colab_kit.{info.name}.__all__ names missing {name}"
+
+
+def test_import_is_light_and_needs_no_gpu_widgets_or_colab():
+    code = ("import sys, colab_kit\n"
+            "heavy = [m for m in ('torch', 'transformers', 'ipywidgets', 'google.colab', 'pynvml') if m in sys.modules]\n"
+            "print(heavy)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
