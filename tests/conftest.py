@@ -114,3 +114,11 @@ def no_leaked_threads():
             break
         time.sleep(0.05)
     assert not leaked, f"threads left running: {[t.name for t in leaked]} (call run.finish()/store.close())"
+
+
+@pytest.fixture(autouse=True)
+def no_writes_to_colab_paths():
+    """Fakes of Colab must never touch the real /content of the machine running the tests."""
+    existed = Path("/content").exists()
+    yield
+    assert existed or not Path("/content").exists(), "a test wrote under /content"

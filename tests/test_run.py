@@ -197,11 +197,12 @@ def test_rerunning_start_run_in_the_same_kernel_closes_the_first(drive, local, c
     assert first._finished
 
 
-def test_drive_trouble_during_training_never_stops_it(drive, local, drive_faults, capsys):
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EACCES, errno.ENOTCONN])
+def test_drive_trouble_during_training_never_stops_it(drive, local, drive_faults, capsys, code):
     class Trouble(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
             if state.global_step == 15:
-                drive_faults.fail(errno.ENOSPC)
+                drive_faults.fail(code)
             if state.global_step == 45:
                 drive_faults.heal()
 
@@ -213,7 +214,7 @@ def test_drive_trouble_during_training_never_stops_it(drive, local, drive_faults
     assert output.global_step == 60
     assert "could not sync checkpoint-20" in capsys.readouterr().err
     warns = [e for e in events(run, "warn") if e["what"] == "sync_failed"]
-    assert warns and warns[0]["errno"] == errno.ENOSPC
+    assert warns and warns[0]["errno"] == code
     assert events(run, "finish")[-1]["synced"] is True and run.mirror.durable_step == 60
     assert verify_folder(run.drive_dir / "checkpoints" / "checkpoint-60") is None
 
@@ -263,3 +264,37 @@ def test_resume_skips_seen_data_by_index_without_loading_it(drive, local, stop):
     # ahead to detect the end: constant, not growing with the position (skipping by loading
     # would cost stop * 8 more loads).
     assert (60 - stop) * 8 <= data.loads <= (60 - stop + 1) * 8
+
+
+def test_a_corrupted_newest_checkpoint_on_drive_is_skipped_with_a_warning(drive, local, capsys):
+    run = start(drive, local, quiet=True)
+    run.train(tiny_trainer(run, max_steps=20))
+    shutil.rmtree(local / "t")
+    newest = drive / "t" / "checkpoints" / "checkpoint-20" / "model.safetensors"
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    newest.write_bytes(bytes(data))
+    run = start(drive, local)
+    err = capsys.readouterr().err
+    assert run.resume_from == local / "t" / "checkpoint-10"
+    assert "skipping checkpoint" in err and "checkpoint-20" in err and "sha256" in err
+    warn = [e for e in events(run, "warn") if e["what"] == "invalid_checkpoint"][-1]
+    assert warn["path"].endswith("checkpoint-20")
+    run.finish()
+
+
+def test_errno_107_makes_colab_remount_drive_from_the_main_thread(drive, local, fake_colab, capsys,
+                                                                 monkeypatch, tmp_path):
+    import colab_kit.drive
+
+    monkeypatch.setattr(colab_kit.drive, "COLAB_MOUNT", str(tmp_path / "content" / "drive"))
+    run = start(drive, local, quiet=True)
+    run.on_drive = True  # as if the folder were on /content/drive
+    run.mirror.on_disconnected()  # what the uploader calls on errno 107
+    run.poll()
+    assert fake_colab.calls == [(str(tmp_path / "content" / "drive"), True)]  # force_remount=True
+    assert events(run, "warn")[-1]["what"] == "remounted_drive"
+    run.poll()  # rate-limited: not again at once
+    assert len(fake_colab.calls) == 1
+    run.finish()
+    assert "drive.flush_and_unmount()" in capsys.readouterr().out
