@@ -435,7 +435,11 @@ def start_run(name: str, *, drive: str | os.PathLike | None = None, local_dir: s
         old.finish(timeout=120, status="restarted")
 
     lease = Lease(drive_dir, heartbeat_s=heartbeat_s)
-    replaced = lease.acquire(takeover=takeover, run_name=name)
+    try:
+        replaced = lease.acquire(takeover=takeover, run_name=name)
+    except OSError as exc:
+        raise DriveError(f"cannot write the lease file in {drive_dir}: {exc}. Check that the folder is "
+                         f"writable and not full, then run this cell again") from exc
     notices = Notices()
     journal = Journal(drive_dir / EVENTS, local_copy=local / EVENTS)
     _clean_local(local)

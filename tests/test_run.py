@@ -298,3 +298,9 @@ def test_errno_107_makes_colab_remount_drive_from_the_main_thread(drive, local, 
     assert len(fake_colab.calls) == 1
     run.finish()
     assert "drive.flush_and_unmount()" in capsys.readouterr().out
+
+
+def test_an_unwritable_drive_at_start_is_a_clear_drive_error(drive, local, drive_faults):
+    drive_faults.fail(errno.EROFS)
+    with pytest.raises(ck.DriveError, match="cannot create the run folder .*writable"):
+        start(drive, local)
