@@ -11,16 +11,25 @@ transformers or torch import them when used.
 from .errors import (CheckpointError, ColabKitError, ColabKitWarning, DriveError, LeaseHeldError,
                      ResumeMismatchError)
 from .journal import read_events
+from .oom import MicroBatcher, OutOfMemoryError, free_memory, is_oom_error
+from .oom import configure_allocator as _configure_allocator
 from .run import Run, start_run
 from .runtime import detect_runtime, in_colab, in_notebook
 from .store import CheckpointStore
 
 __version__ = "0.1.0"
 
+# Before anything creates a CUDA context: expandable segments fragment GPU memory less.
+_configure_allocator()
+
 __all__ = [
     "start_run",
     "Run",
     "CheckpointStore",
+    "is_oom_error",
+    "free_memory",
+    "MicroBatcher",
+    "OutOfMemoryError",
     "read_events",
     "detect_runtime",
     "in_colab",

@@ -105,6 +105,7 @@ class Run:
         self.mirror = Mirror(drive_dir, keep=keep, journal=journal, notices=notices,
                              kit_version=__version__, on_disconnected=self._want_remount)
         self.fingerprint: dict | None = None
+        self.micro_batching = None  # the TrainerMicroBatching of the last run.train
         self._callbacks: list | None = None
         self._remount_wanted = False
         self._last_remount = 0.0
@@ -121,13 +122,24 @@ class Run:
             self._callbacks = [SaveScheduleCallback(self), DriveSyncCallback(self)]
         return list(self._callbacks)
 
-    def train(self, trainer, **train_kwargs):
-        """Resume, train with the kit's callbacks, and finish; returns the Trainer's TrainOutput.
+    def train(self, trainer, *, oom_recovery: bool = True, grow_back_after: int | None = None, **train_kwargs):
+        """Resume, train with the kit's callbacks and OOM recovery, and finish; returns the TrainOutput.
 
         Adds any of `callbacks()` the trainer lacks (no duplicates), resumes from
-        `resume_from` unless `resume_from_checkpoint` is given, and calls `finish()` at the
-        end, also when training fails or is interrupted.
+        `resume_from` unless `resume_from_checkpoint` is given, runs each optimizer step's
+        effective batch as micro-batches that halve on out-of-memory (same effective batch,
+        schedule and data order), and calls `finish()` at the end, also when training fails.
+
+        Args:
+            trainer: a `transformers.Trainer` whose `output_dir` is `run.local_dir`.
+            oom_recovery: False runs the Trainer's own training step unchanged.
+            grow_back_after: after this many clean steps, cautiously try a micro-batch twice
+                as large again (off by default).
+            **train_kwargs: passed to `trainer.train`.
         """
+        from .microbatch import TrainerMicroBatching
+        from .oom import OutOfMemoryError, is_fatal_cuda_error, is_oom_error
+
         self._require_open("train")
         present = {type(cb) for cb in trainer.callback_handler.callbacks}
         for cb in self.callbacks():
@@ -137,6 +149,8 @@ class Run:
         self._adjust_args(trainer.args)
         if "resume_from_checkpoint" not in train_kwargs and self.resume_from is not None:
             train_kwargs["resume_from_checkpoint"] = str(self.resume_from)
+        self.micro_batching = TrainerMicroBatching(self, trainer, grow_back_after=grow_back_after)
+        guard = self.micro_batching if oom_recovery and self.micro_batching.install() else None
         status = "error"
         try:
             if self._already_complete(trainer, train_kwargs.get("resume_from_checkpoint")):
@@ -148,7 +162,20 @@ class Run:
         except KeyboardInterrupt:
             status = "interrupted"
             raise
+        except Exception as exc:
+            if guard is not None and guard.after_step and is_oom_error(exc) and not isinstance(exc, OutOfMemoryError):
+                self.journal.write("oom", step=trainer.state.global_step + 1, where="optimizer step",
+                                   error=str(exc).splitlines()[0][:300])
+                raise OutOfMemoryError(guard.optimizer_oom_message()) from exc
+            if is_fatal_cuda_error(exc):
+                exc.add_note("colab_kit: this CUDA error breaks the CUDA context, so it cannot be retried "
+                             "in place. Restart the runtime (Runtime -> Restart session) and run all "
+                             "cells: training resumes from the last checkpoint. To find the failing "
+                             "operation, set os.environ['CUDA_LAUNCH_BLOCKING'] = '1' first.")
+            raise
         finally:
+            if guard is not None:
+                guard.uninstall()
             self.finish(status=status)
 
     def _already_complete(self, trainer, checkpoint) -> bool:
@@ -266,7 +293,9 @@ class Run:
 
     # -- end -----------------------------------------------------------------------------------
     def status(self) -> dict:
+        oom = self.micro_batching.summary() if self.micro_batching is not None else None
         return {
+            "oom": oom,
             "name": self.name,
             "drive_dir": str(self.drive_dir),
             "durable_step": self.mirror.durable_step,
@@ -310,6 +339,8 @@ class Run:
         where = f"step {durable} is durable in {self.drive_dir}" if durable is not None else \
             f"no checkpoint was saved in this session; folder {self.drive_dir}"
         print(f"colab_kit: run {self.name!r} {status}; {where}.")
+        if summary.get("oom"):
+            print(f"colab_kit: {summary['oom']}.")
         if self.on_drive:
             print("colab_kit: " + flush_hint())
         return dict(summary)
