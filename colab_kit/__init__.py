@@ -10,6 +10,7 @@ transformers or torch import them when used.
 
 from .errors import (CheckpointError, ColabKitError, ColabKitWarning, DriveError, LeaseHeldError,
                      ResumeMismatchError)
+from .gauges import Gauges, plot_history
 from .journal import read_events
 from .oom import MicroBatcher, OutOfMemoryError, free_memory, is_oom_error
 from .oom import configure_allocator as _configure_allocator
@@ -30,6 +31,8 @@ __all__ = [
     "free_memory",
     "MicroBatcher",
     "OutOfMemoryError",
+    "Gauges",
+    "plot_history",
     "read_events",
     "detect_runtime",
     "in_colab",

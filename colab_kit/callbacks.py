@@ -17,7 +17,7 @@ from . import storage
 from .checkpoint import KIT_STATE, checkpoint_dir
 from .sync import SNAPSHOTS, take_snapshot
 
-__all__ = ["SaveScheduleCallback", "DriveSyncCallback"]
+__all__ = ["SaveScheduleCallback", "DriveSyncCallback", "GaugesCallback"]
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +82,53 @@ class DriveSyncCallback(TrainerCallback):
         storage.atomic_write_bytes(folder / KIT_STATE, json.dumps(kit_state).encode())
         snapshot = take_snapshot(folder, self.run.local_dir / SNAPSHOTS, step, self.run.fingerprint)
         self.run.mirror.submit(snapshot)
+        self.run.last_saved_step = step
         pause = time.perf_counter() - started
         self.run.journal.write("save", step=step, local=str(folder), snapshot_s=round(pause, 4))
         self.run.poll()
+
+
+class GaugesCallback(TrainerCallback):
+    """Live gauges while the Trainer runs; updated from the training loop, closed at the end."""
+
+    def __init__(self, run):
+        self.run = run
+        self.gauges = None
+
+    def _status(self) -> dict:
+        run = self.run
+        batching = run.micro_batching
+        backoffs = len(batching.train.backoffs) + len(batching.eval.backoffs) if batching is not None else 0
+        return {"saved_step": run.last_saved_step, "durable_step": run.mirror.durable_step,
+                "oom_backoffs": backoffs, "micro_batch": batching.train.micro_batch if batching else None}
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        from .gauges import Gauges
+
+        if self.gauges is not None and not self.gauges.closed:
+            return
+        run = self.run
+
+        def warn(message):  # from the sampler thread: journal it; the gauges show it
+            run.journal.write("warn", what="memory", message=message)
+
+        self.gauges = Gauges(total_steps=state.max_steps or None, title=f"run {run.name!r}",
+                             local_dir=run.local_dir, drive_dir=run.drive_dir,
+                             save_html=run.drive_dir / "gauges.html", on_warn=warn)
+        self.gauges.update(step=state.global_step, **self._status())
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.gauges is not None:
+            self.gauges.update(step=state.global_step, **self._status())
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if self.gauges is not None and logs and "loss" in logs:
+            self.gauges.update(step=state.global_step, loss=logs["loss"])
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.close()
+
+    def close(self, error: str | None = None) -> None:
+        if self.gauges is not None and not self.gauges.closed:
+            self.gauges.update(**self._status())
+            self.gauges.close(error=error)

@@ -84,7 +84,7 @@ class Run:
 
     def __init__(self, name: str, drive_dir: Path, local_dir: Path, *, on_drive: bool,
                  save_every_s: float | None, save_every_steps: int | None, keep: int,
-                 runtime: RuntimeInfo, lease: Lease, journal: Journal, notices: Notices):
+                 runtime: RuntimeInfo, lease: Lease, journal: Journal, notices: Notices, gauges: bool = True):
         from . import __version__
 
         self.name = name
@@ -105,6 +105,8 @@ class Run:
         self.mirror = Mirror(drive_dir, keep=keep, journal=journal, notices=notices,
                              kit_version=__version__, on_disconnected=self._want_remount)
         self.fingerprint: dict | None = None
+        self.show_gauges = gauges
+        self.last_saved_step: int | None = None
         self.micro_batching = None  # the TrainerMicroBatching of the last run.train
         self._callbacks: list | None = None
         self._remount_wanted = False
@@ -115,11 +117,13 @@ class Run:
     # -- callbacks and training ----------------------------------------------------------------
     def callbacks(self) -> list:
         """The kit's `transformers.TrainerCallback`s for this run (the same objects each call):
-        time/step-based saves and Drive mirroring."""
+        time/step-based saves, Drive mirroring and, unless `start_run(gauges=False)`, live gauges."""
         if self._callbacks is None:
-            from .callbacks import DriveSyncCallback, SaveScheduleCallback
+            from .callbacks import DriveSyncCallback, GaugesCallback, SaveScheduleCallback
 
             self._callbacks = [SaveScheduleCallback(self), DriveSyncCallback(self)]
+            if self.show_gauges:
+                self._callbacks.append(GaugesCallback(self))
         return list(self._callbacks)
 
     def train(self, trainer, *, oom_recovery: bool = True, grow_back_after: int | None = None, **train_kwargs):
@@ -163,6 +167,7 @@ class Run:
             status = "interrupted"
             raise
         except Exception as exc:
+            self._close_gauges(error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}")
             if guard is not None and guard.after_step and is_oom_error(exc) and not isinstance(exc, OutOfMemoryError):
                 self.journal.write("oom", step=trainer.state.global_step + 1, where="optimizer step",
                                    error=str(exc).splitlines()[0][:300])
@@ -305,6 +310,13 @@ class Run:
             "train_seconds": round(self.clock.seconds, 1),
         }
 
+    def _close_gauges(self, error: str | None = None) -> None:
+        from .callbacks import GaugesCallback
+
+        for cb in self._callbacks or []:
+            if isinstance(cb, GaugesCallback):
+                cb.close(error=error)
+
     def finish(self, timeout: float | None = 600, status: str = "finished") -> dict:
         """Wait for pending uploads, record the finish, release the run folder; idempotent.
 
@@ -316,6 +328,7 @@ class Run:
                   f"step {self._summary.get('durable_step')}).")
             return dict(self._summary)
         self.clock.stop()
+        self._close_gauges(error=None if status in ("finished", "completed") else status)
         self.poll()
         drained = self.mirror.drain(timeout)
         summary = self.status() | {"status": status, "synced": drained}
@@ -415,7 +428,7 @@ def _archive_checkpoints(drive_dir: Path, local_dir: Path) -> Path | None:
 
 def start_run(name: str, *, drive: str | os.PathLike | None = None, local_dir: str | os.PathLike | None = None,
               save_every: str | int | None = "10min", keep: int = 3, resume: bool = True,
-              takeover: bool = False, heartbeat_s: float = 30.0, quiet: bool = False) -> Run:
+              takeover: bool = False, gauges: bool = True, heartbeat_s: float = 30.0, quiet: bool = False) -> Run:
     """Open (or reopen) a run whose checkpoints survive a runtime reset.
 
     Args:
@@ -430,6 +443,8 @@ def start_run(name: str, *, drive: str | os.PathLike | None = None, local_dir: s
         keep: checkpoints kept on the persistent folder.
         resume: False starts fresh, moving existing checkpoints to `<drive_dir>/archive/`.
         takeover: take the run folder over from another live runtime.
+        gauges: live GPU/RAM gauges while `run.train` runs (a summary stays, and is written to
+            `<drive_dir>/gauges.html`).
         heartbeat_s: lease heartbeat interval (a lease is stale after 4 missed beats).
         quiet: do not print the summary.
 
@@ -478,7 +493,7 @@ def start_run(name: str, *, drive: str | os.PathLike | None = None, local_dir: s
     archived = None if resume else _archive_checkpoints(drive_dir, local)
     run = Run(name, drive_dir, local, on_drive=on_drive, save_every_s=save_every_s,
               save_every_steps=save_every_steps, keep=keep, runtime=runtime, lease=lease,
-              journal=journal, notices=notices)
+              journal=journal, notices=notices, gauges=gauges)
 
     def skipped(path: Path, reason: str) -> None:
         notices.add(f"skipping checkpoint {path}: {reason}")

@@ -122,3 +122,31 @@ def no_writes_to_colab_paths():
     existed = Path("/content").exists()
     yield
     assert existed or not Path("/content").exists(), "a test wrote under /content"
+
+
+@pytest.fixture
+def fake_nvml(monkeypatch):
+    """A stand-in `pynvml`: a T4-like device whose readings the test can change."""
+    state = types.SimpleNamespace(name="Tesla T4", total=15 * 1024**3, used=2 * 1024**3, util=37, temp=61,
+                                  power_mw=42_000, cc=(7, 5), count=1, init_error=None)
+    nvml = types.ModuleType("pynvml")
+
+    def init():
+        if state.init_error:
+            raise RuntimeError(state.init_error)
+
+    nvml.nvmlInit = init
+    nvml.nvmlShutdown = lambda: None
+    nvml.nvmlDeviceGetCount = lambda: state.count
+    nvml.nvmlDeviceGetHandleByIndex = lambda i: ("handle", i)
+    nvml.nvmlDeviceGetName = lambda h: state.name.encode()  # older bindings return bytes
+    nvml.nvmlDeviceGetMemoryInfo = lambda h: types.SimpleNamespace(total=state.total, used=state.used,
+                                                                   free=state.total - state.used)
+    nvml.nvmlDeviceGetCudaComputeCapability = lambda h: state.cc
+    nvml.nvmlDeviceGetUtilizationRates = lambda h: types.SimpleNamespace(gpu=state.util, memory=10)
+    nvml.NVML_TEMPERATURE_GPU = 0
+    nvml.nvmlDeviceGetTemperature = lambda h, sensor: state.temp
+    nvml.nvmlDeviceGetPowerUsage = lambda h: state.power_mw
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    return state
