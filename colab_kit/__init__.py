@@ -14,6 +14,7 @@ from .gauges import Gauges, plot_history
 from .journal import read_events
 from .oom import MicroBatcher, OutOfMemoryError, free_memory, is_oom_error
 from .oom import configure_allocator as _configure_allocator
+from .recipes import memory_args
 from .run import Run, start_run
 from .runtime import detect_runtime, in_colab, in_notebook
 from .store import CheckpointStore
@@ -33,6 +34,7 @@ __all__ = [
     "OutOfMemoryError",
     "Gauges",
     "plot_history",
+    "memory_args",
     "read_events",
     "detect_runtime",
     "in_colab",

@@ -10,6 +10,7 @@ whose manifest verifies, and say which ones were skipped and why.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import logging
 import os
@@ -24,7 +25,7 @@ from . import storage
 from .manifest import MANIFEST, Manifest, read_manifest, verify_folder, write_manifest
 
 __all__ = ["CHECKPOINTS", "KIT_STATE", "Found", "checkpoint_dir", "list_checkpoints",
-           "find_latest", "fetch_checkpoint", "prune_checkpoints", "model_signature"]
+           "find_latest", "fetch_checkpoint", "publish_folder", "prune_checkpoints", "model_signature"]
 
 CHECKPOINTS = "checkpoints"
 KIT_STATE = "colab_kit_state.json"
@@ -86,6 +87,33 @@ def fetch_checkpoint(source: Path, manifest: Manifest, local_root: Path) -> Path
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def publish_folder(source: Path, target: Path, manifest: Manifest) -> None:
+    """Copy the files of `manifest` from `source` to `target` (largest first), read each back and
+    compare its sha256, remove leftovers, and only then write MANIFEST.json, atomically.
+
+    Re-publishing into an existing folder first removes its manifest, so no reader ever sees the
+    old manifest next to new, half-copied files.
+
+    Raises:
+        OSError: a copy or a read-back failed (the folder is then left without a manifest).
+    """
+    storage.make_dirs(target)
+    if (target / MANIFEST).exists():
+        (target / MANIFEST).unlink()
+    for name, entry in sorted(manifest.files.items(), key=lambda kv: -kv[1].size):
+        dst = target / name
+        storage.make_dirs(dst.parent)
+        digest = storage.copy_file(source / name, dst)
+        if digest != entry.sha256 or storage.sha256_file(dst) != entry.sha256:
+            raise OSError(errno.EIO, f"{name} read back from {target} does not match")
+    for stray in target.rglob("*"):  # leftovers of an earlier, interrupted copy
+        if stray.is_file() and stray.relative_to(target).as_posix() not in manifest.files:
+            stray.unlink()
+    write_manifest(target, manifest)
+    if read_manifest(target).files != manifest.files:
+        raise OSError(errno.EIO, f"the manifest read back from {target} does not match")
 
 
 def find_latest(places: Iterable[tuple[str, Path]], local_root: Path,

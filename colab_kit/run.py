@@ -30,6 +30,7 @@ from .drive import flush_hint, remount_drive, resolve_root
 from .errors import ColabKitError, DriveError, ResumeMismatchError
 from .journal import EVENTS, Journal
 from .lease import Lease, LeaseInfo
+from .recipes import make_length_grouping_resumable
 from .runtime import RuntimeInfo, detect_runtime, in_colab
 from .sync import SNAPSHOTS, Mirror, take_snapshot
 
@@ -37,6 +38,7 @@ __all__ = ["Run", "start_run"]
 
 log = logging.getLogger(__name__)
 ARCHIVE = "archive"
+FINAL = "final"
 _NAME_OK = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 _ACTIVE: dict[str, "weakref.ref[Run]"] = {}  # run folder -> the open Run of this process
 # Fingerprint fields that make a checkpoint unusable; the others only earn a warning.
@@ -107,6 +109,7 @@ class Run:
         self.fingerprint: dict | None = None
         self.show_gauges = gauges
         self.last_saved_step: int | None = None
+        self.global_step: int | None = None  # where the last run.train ended
         self.micro_batching = None  # the TrainerMicroBatching of the last run.train
         self._callbacks: list | None = None
         self._remount_wanted = False
@@ -151,6 +154,7 @@ class Run:
                 trainer.add_callback(cb)
         self.check_compatible(trainer.model, trainer.args)
         self._adjust_args(trainer.args)
+        make_length_grouping_resumable(trainer)
         if "resume_from_checkpoint" not in train_kwargs and self.resume_from is not None:
             train_kwargs["resume_from_checkpoint"] = str(self.resume_from)
         self.micro_batching = TrainerMicroBatching(self, trainer, grow_back_after=grow_back_after)
@@ -179,6 +183,7 @@ class Run:
                              "operation, set os.environ['CUDA_LAUNCH_BLOCKING'] = '1' first.")
             raise
         finally:
+            self.global_step = trainer.state.global_step
             if guard is not None:
                 guard.uninstall()
             self.finish(status=status)
@@ -203,6 +208,49 @@ class Run:
               f"instead of training again.")
         self.journal.write("complete", step=step, checkpoint=str(checkpoint))
         return TrainOutput(step, losses[-1] if losses else float("nan"), {"already_complete": True})
+
+    def save_final(self, model, tokenizer=None, metrics: dict | None = None, retries: int = 3) -> Path:
+        """Export the trained model to `<drive_dir>/final/`: safetensors, config, tokenizer, metrics.
+
+        Written to local disk first, then copied to the persistent folder with every file read
+        back and verified, MANIFEST.json last. Works after `finish()` too.
+
+        Returns:
+            The `final/` folder on the persistent folder.
+
+        Raises:
+            DriveError: the copy kept failing; the export stays on local disk (the message says where).
+        """
+        from .checkpoint import publish_folder
+        from .manifest import Manifest, hash_folder
+
+        local = self.local_dir / FINAL
+        if local.exists():
+            shutil.rmtree(local)
+        model.save_pretrained(local, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(local)
+        if metrics is not None:
+            (local / "metrics.json").write_text(json.dumps(metrics, indent=1, default=float))
+        from . import __version__
+
+        manifest = Manifest(step=int(self.global_step or 0), files=hash_folder(local), kit_version=__version__,
+                            fingerprint=self.fingerprint or {})
+        target = self.drive_dir / FINAL
+        for attempt in range(1, retries + 1):
+            try:
+                publish_folder(local, target, manifest)
+                break
+            except OSError as exc:
+                if attempt == retries:
+                    raise DriveError(f"could not copy the final model to {target}: {exc}. It is saved on local "
+                                     f"disk at {local}; copy it yourself, or call run.save_final(...) again "
+                                     f"when Drive works") from exc
+                time.sleep(2 ** attempt)
+        self.journal.write("final", path=str(target), bytes=manifest.total_bytes, files=len(manifest.files))
+        print(f"colab_kit: final model saved to {target} ({format_bytes(manifest.total_bytes)}, "
+              f"{len(manifest.files)} files, verified)")
+        return target
 
     def checkpoint_store(self):
         """A `CheckpointStore` for plain PyTorch loops that shares this run's folder and uploader."""

@@ -29,7 +29,7 @@ from typing import Callable
 from . import storage
 from ._notices import Notices
 from ._units import format_bytes
-from .checkpoint import CHECKPOINTS, checkpoint_dir, prune_checkpoints
+from .checkpoint import CHECKPOINTS, checkpoint_dir, prune_checkpoints, publish_folder
 from .journal import Journal
 from .manifest import MANIFEST, Manifest, hash_folder, read_manifest, verify_folder, write_manifest
 
@@ -253,23 +253,7 @@ class Mirror:
         if target.is_dir() and _same_manifest(target, manifest) and verify_folder(target, hashes=False) is None:
             log.info("checkpoint-%d is already on %s", snap.step, self.run_dir)
         else:
-            storage.make_dirs(target)
-            # Re-uploading into an existing folder: invalidate it first, so that no reader
-            # ever sees the old manifest next to new, half-copied files.
-            if (target / MANIFEST).exists():
-                (target / MANIFEST).unlink()
-            for name, entry in sorted(manifest.files.items(), key=lambda kv: -kv[1].size):
-                dst = target / name
-                storage.make_dirs(dst.parent)
-                digest = storage.copy_file(snap.path / name, dst)
-                if digest != entry.sha256 or storage.sha256_file(dst) != entry.sha256:
-                    raise OSError(errno.EIO, f"{name} read back from {target} does not match")
-            for stray in target.rglob("*"):  # leftovers of an earlier, interrupted upload
-                if stray.is_file() and stray.relative_to(target).as_posix() not in manifest.files:
-                    stray.unlink()
-            write_manifest(target, manifest)
-            if read_manifest(target).files != manifest.files:
-                raise OSError(errno.EIO, f"the manifest read back from {target} does not match")
+            publish_folder(snap.path, target, manifest)
         seconds = time.monotonic() - started
         self.durable_step, self.durable_time = snap.step, time.time()
         if self.failures:

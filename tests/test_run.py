@@ -304,3 +304,59 @@ def test_an_unwritable_drive_at_start_is_a_clear_drive_error(drive, local, drive
     drive_faults.fail(errno.EROFS)
     with pytest.raises(ck.DriveError, match="cannot create the run folder .*writable"):
         start(drive, local)
+
+
+def test_length_grouped_batches_resume_exactly_in_a_later_epoch(drive, local):
+    """LengthGroupedSampler has no per-epoch seed of its own: the kit gives it one."""
+    from colab_kit.demo import toy_classification
+
+    def ragged():
+        data = toy_classification(n=96)
+        return data.map(lambda row, i: {"input_ids": row["input_ids"][: 8 + i % 16]}, with_indices=True)
+
+    def trainer_for(run):
+        from transformers import DataCollatorWithPadding
+
+        from colab_kit.rna import nucleotide_tokenizer
+
+        trainer = tiny_trainer(run, max_steps=30, batch_size=8, dropout=0.0, train_dataset=ragged(),
+                               **ck.memory_args(run.runtime))
+        trainer.data_collator = DataCollatorWithPadding(nucleotide_tokenizer())  # pads with id 0
+        return trainer
+
+    straight_run = start(drive, local, "lg-straight", quiet=True)
+    straight = trainer_for(straight_run)
+    straight_run.train(straight)
+
+    run = start(drive, local, "lg", quiet=True)
+    trainer = trainer_for(run)
+    trainer.add_callback(StopAt(27))  # 12 steps per epoch: the crash is in epoch 3
+    with pytest.raises(RuntimeError):
+        run.train(trainer)
+    shutil.rmtree(local / "lg")
+    run = start(drive, local, "lg", quiet=True)
+    assert run.resume_from.name == "checkpoint-20"
+    resumed = trainer_for(run)
+    run.train(resumed)
+    assert max_diff(weights(straight), weights(resumed)) <= 1e-6
+
+
+def test_save_final_exports_a_verified_model_after_the_run(drive, local, drive_faults):
+    from transformers import AutoModelForSequenceClassification
+
+    from colab_kit.manifest import read_manifest
+    from colab_kit.rna import nucleotide_tokenizer
+
+    run = start(drive, local, "final", quiet=True)
+    trainer = tiny_trainer(run, max_steps=5)
+    run.train(trainer)
+    target = run.save_final(trainer.model, nucleotide_tokenizer(), metrics={"accuracy": 0.5})
+    assert target == drive / "final" / "final"
+    assert verify_folder(target) is None and read_manifest(target).step == 5
+    assert {"model.safetensors", "config.json", "tokenizer.json", "metrics.json"} <= set(read_manifest(target).files)
+    reloaded = AutoModelForSequenceClassification.from_pretrained(target)
+    assert max_diff(weights(trainer), {k: v for k, v in reloaded.state_dict().items()}) == 0
+    assert events(run, "final")[-1]["path"] == str(target)
+    drive_faults.fail(errno.EIO)
+    with pytest.raises(ck.DriveError, match="saved on local disk at .*call run.save_final"):
+        run.save_final(trainer.model, retries=1)

@@ -1,0 +1,71 @@
+"""Training-argument recipes the notebooks share: memory settings that fit the GPU, and
+length-grouped batches that survive a resume.
+
+`memory_args()` gives fp16 autocast on a T4 (no bf16 there) and bf16 on Ampere or newer,
+length-grouped batches (less padding), and gradient checkpointing on request, spelled as
+the installed transformers version wants them.
+
+The Trainer's `LengthGroupedSampler` draws its permutation from the global RNG, with no seed
+per epoch; after a resume in a later epoch it would produce another order, and skipping the
+seen batches by index would then skip the wrong samples. `run.train` swaps in a sampler that
+is seeded with (seed + epoch), as accelerate does for the plain random sampler.
+"""
+
+from __future__ import annotations
+
+from .runtime import RuntimeInfo, detect_runtime
+
+__all__ = ["memory_args", "make_length_grouping_resumable"]
+
+
+def memory_args(runtime: RuntimeInfo | None = None, *, gradient_checkpointing: bool = False,
+                group_by_length: bool = True) -> dict:
+    """`TrainingArguments` keywords for memory: mixed precision per GPU, length grouping, checkpointing.
+
+    Example:
+        >>> args = TrainingArguments(run.local_dir, **ck.memory_args(run.runtime), ...)
+    """
+    from transformers import TrainingArguments
+
+    fields = TrainingArguments.__dataclass_fields__
+    gpu = (runtime or detect_runtime()).gpu
+    args: dict = {}
+    if gpu is not None:
+        args["bf16" if gpu.bf16 else "fp16"] = True
+    if group_by_length:
+        if "train_sampling_strategy" in fields:  # transformers 5
+            args["train_sampling_strategy"] = "group_by_length"
+        else:
+            args["group_by_length"] = True
+    if gradient_checkpointing:
+        args["activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"] = True
+    return args
+
+
+def make_length_grouping_resumable(trainer) -> None:
+    """Make the trainer's length-grouped sampler reproduce each epoch's order from (seed, epoch)."""
+    import torch
+    from transformers.trainer_pt_utils import LengthGroupedSampler, get_length_grouped_indices
+
+    class EpochSeededLengthGroupedSampler(LengthGroupedSampler):
+        def set_epoch(self, epoch: int) -> None:
+            self.epoch = epoch
+
+        def __iter__(self):
+            generator = torch.Generator()
+            generator.manual_seed(self.seed + getattr(self, "epoch", 0))
+            return iter(get_length_grouped_indices(self.lengths, self.batch_size, generator=generator))
+
+    original = trainer._get_train_sampler
+    if getattr(original, "_colab_kit", False):
+        return
+
+    def sampler(*args, **kwargs):
+        made = original(*args, **kwargs)
+        if type(made) is LengthGroupedSampler:
+            made.__class__ = EpochSeededLengthGroupedSampler
+            made.seed = int(trainer.args.seed)
+        return made
+
+    sampler._colab_kit = True
+    trainer._get_train_sampler = sampler
