@@ -32,6 +32,8 @@ def memory_args(runtime: RuntimeInfo | None = None, *, gradient_checkpointing: b
     args: dict = {}
     if gpu is not None:
         args["bf16" if gpu.bf16 else "fp16"] = True
+    else:
+        args["dataloader_pin_memory"] = False  # pinning needs a GPU; on a CPU it only warns
     if group_by_length:
         if "train_sampling_strategy" in fields:  # transformers 5
             args["train_sampling_strategy"] = "group_by_length"

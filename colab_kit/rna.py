@@ -21,7 +21,8 @@ from .errors import ColabKitError
 
 __all__ = ["RnaDataError", "Records", "CleaningReport", "read_sequences", "clean_records", "check_test_labels",
            "seen_in_training", "length_stats", "choose_max_length", "nucleotide_tokenizer",
-           "generate_rna_families", "stratified_split", "classification_metrics", "NUCLEOTIDES"]
+           "generate_rna_families", "stratified_split", "classification_metrics", "NUCLEOTIDES", "to_dataset",
+           "predict", "scratch_bert_config"]
 
 NUCLEOTIDES = "ACGUNRYKMSWBDHV"  # U for T; IUPAC ambiguity codes are kept
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
@@ -267,22 +268,33 @@ def nucleotide_tokenizer(model_max_length: int = 1024):
                                    sep_token="[SEP]", mask_token="[MASK]", model_max_length=model_max_length)
 
 
-def generate_rna_families(n_per_class: int = 150, n_classes: int = 5, seed: int = 0, min_len: int = 40,
-                          max_len: int = 140) -> Records:
-    """Synthetic RNA "families" for a quick run: each class has its own motifs (planted 2-3 times)
-    and a base composition bias. As in real files, some records use T instead of U, some are
-    lower-case and some hold N; labels are family names. Returns raw, uncleaned records."""
-    rng = random.Random(seed)
+def generate_rna_families(n_per_class: int = 150, n_classes: int = 4, seed: int = 0, min_len: int = 40,
+                          max_len: int = 140, families_seed: int = 1234) -> Records:
+    """Synthetic RNA "families" for a quick run: each class has its own motifs (planted 4-6 times)
+    and its own base composition (a dominant and a secondary base). As in real files, some records use T instead of U, some are
+    lower-case and some hold N; labels are family names. Returns raw, uncleaned records.
+
+    `families_seed` defines the families (motifs, biases); `seed` draws the sequences, so a test
+    set is the same families with another `seed`.
+    """
+    definitions = random.Random(families_seed)
     bases = "ACGU"
-    motifs = [["".join(rng.choice(bases) for _ in range(rng.randint(6, 8))) for _ in range(2)]
-              for _ in range(n_classes)]
-    biases = [[rng.uniform(0.5, 1.5) for _ in bases] for _ in range(n_classes)]
+    motifs = [["".join(definitions.choice(bases) for _ in range(8)) for _ in range(2)] for _ in range(n_classes)]
+    # Each family leans towards its own (dominant, secondary) pair of bases; drawn at random,
+    # two families' compositions can nearly coincide and only the motifs would tell them apart.
+    biases = []
+    for k in range(n_classes):
+        weights = [1.0] * 4
+        weights[k % 4] += 2.5
+        weights[(k + 1 + k // 4) % 4] += 1.0
+        biases.append(weights)
+    rng = random.Random(seed)
     records = Records([], [], f"generated RNA families (seed {seed})")
     for k in range(n_classes):
         for i in range(n_per_class):
             length = rng.randint(min_len, max_len)
             seq = rng.choices(bases, weights=biases[k], k=length)
-            for _ in range(rng.randint(2, 3)):
+            for _ in range(rng.randint(4, 6)):
                 motif = rng.choice(motifs[k])
                 at = rng.randint(0, length - len(motif))
                 seq[at:at + len(motif)] = motif
@@ -329,3 +341,52 @@ def classification_metrics(y_true: list[str], y_pred: list[str], labels: list[st
         "confusion": confusion_matrix(y_true, y_pred, labels=labels).tolist(),
         "labels": list(labels),
     }
+
+
+def to_dataset(records: Records, tokenizer, max_length: int, label2id: dict[str, int]):
+    """A `datasets.Dataset` of token ids (truncated, not padded: the collator pads per batch), labels
+    and a `length` column (so length-grouped batching needs no pass over the data)."""
+    import datasets
+
+    data = datasets.Dataset.from_dict({"sequence": records.sequences,
+                                       "label": [label2id[label] for label in records.labels]})
+
+    def encode(batch):
+        encoded = tokenizer(batch["sequence"], truncation=True, max_length=max_length)
+        encoded["length"] = [len(ids) for ids in encoded["input_ids"]]
+        return encoded
+
+    return data.map(encode, batched=True, remove_columns=["sequence"])
+
+
+def predict(model, tokenizer, sequences: list[str], max_length: int, batch_size: int = 64) -> tuple[list[int], list[float]]:
+    """Predicted class ids and their probabilities for raw sequences (cleaned first)."""
+    import torch
+
+    cleaned = clean_records(Records(list(sequences), ["?"] * len(sequences), "input"))[0].sequences
+    device = next(model.parameters()).device
+    model.eval()
+    ids, probs = [], []
+    with torch.no_grad():
+        for start in range(0, len(cleaned), batch_size):
+            batch = tokenizer(cleaned[start:start + batch_size], truncation=True, max_length=max_length,
+                              padding=True, return_tensors="pt").to(device)
+            batch.pop("token_type_ids", None)
+            logits = model(**batch).logits.float()
+            p = torch.softmax(logits, dim=-1)
+            best = p.argmax(dim=-1)
+            ids += best.tolist()
+            probs += p.gather(1, best[:, None]).squeeze(1).tolist()
+    return ids, probs
+
+
+def scratch_bert_config(vocab_size: int, num_labels: int, max_length: int, size: str = "small",
+                        dropout: float = 0.1):
+    """A BERT to train from scratch on nucleotide tokens: "small" (4 x 256) or "tiny" (2 x 128)."""
+    from transformers import BertConfig
+
+    hidden, layers, heads = {"small": (256, 4, 4), "tiny": (128, 2, 4)}[size]
+    return BertConfig(vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                      intermediate_size=4 * hidden, max_position_embeddings=max(512, max_length),
+                      num_labels=num_labels, pad_token_id=0, type_vocab_size=1, attn_implementation="sdpa",
+                      hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)

@@ -210,7 +210,8 @@ class Run:
         return TrainOutput(step, losses[-1] if losses else float("nan"), {"already_complete": True})
 
     def save_final(self, model, tokenizer=None, metrics: dict | None = None, retries: int = 3) -> Path:
-        """Export the trained model to `<drive_dir>/final/`: safetensors, config, tokenizer, metrics.
+        """Export the trained model to `<drive_dir>/final/`: safetensors, config, tokenizer, metrics
+        (the metrics also go to `<drive_dir>/metrics.json`).
 
         Written to local disk first, then copied to the persistent folder with every file read
         back and verified, MANIFEST.json last. Works after `finish()` too.
@@ -247,6 +248,9 @@ class Run:
                                      f"disk at {local}; copy it yourself, or call run.save_final(...) again "
                                      f"when Drive works") from exc
                 time.sleep(2 ** attempt)
+        if metrics is not None:
+            storage.atomic_write_bytes(self.drive_dir / "metrics.json",
+                                       (json.dumps(metrics, indent=1, default=float) + "\n").encode())
         self.journal.write("final", path=str(target), bytes=manifest.total_bytes, files=len(manifest.files))
         print(f"colab_kit: final model saved to {target} ({format_bytes(manifest.total_bytes)}, "
               f"{len(manifest.files)} files, verified)")

@@ -1,6 +1,7 @@
 """start_run / run.train with the real HF Trainer on a tiny BERT (in-process, CPU)."""
 
 import errno
+import json
 import shutil
 
 import pytest
@@ -357,6 +358,7 @@ def test_save_final_exports_a_verified_model_after_the_run(drive, local, drive_f
     reloaded = AutoModelForSequenceClassification.from_pretrained(target)
     assert max_diff(weights(trainer), {k: v for k, v in reloaded.state_dict().items()}) == 0
     assert events(run, "final")[-1]["path"] == str(target)
+    assert json.loads((drive / "final" / "metrics.json").read_text()) == {"accuracy": 0.5}
     drive_faults.fail(errno.EIO)
     with pytest.raises(ck.DriveError, match="saved on local disk at .*call run.save_final"):
         run.save_final(trainer.model, retries=1)

@@ -1,0 +1,135 @@
+"""The notebooks: committed clean, with their parameters cell and Colab metadata; run headless."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+RNA = ROOT / "notebooks" / "rna_bert_classification.ipynb"
+COMMON = {"RUN_NAME", "PRESET", "MAX_STEPS", "DRIVE_DIR", "BATCH_SIZE", "EPOCHS", "LEARNING_RATE"}
+REQUIRED = {
+    "rna_bert_classification.ipynb": COMMON | {"MODEL", "TRAIN_DATA", "TEST_DATA", "MAX_LENGTH"},
+    "distilgpt2_finetune.ipynb": COMMON | {"MODEL_NAME", "BLOCK_SIZE", "FREEZE_LAYERS"},
+}
+
+
+def load(path):
+    return json.loads(path.read_text())
+
+
+def parameters_cell(nb):
+    tagged = [c for c in nb["cells"] if "parameters" in c.get("metadata", {}).get("tags", [])]
+    assert len(tagged) == 1
+    return "".join(tagged[0]["source"])
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_committed_clean_with_parameters_and_colab_gpu_metadata(path):
+    nb = load(path)
+    for cell in nb["cells"]:
+        if cell["cell_type"] == "code":
+            assert cell.get("outputs") == [] and cell.get("execution_count") is None, "clear the outputs"
+    assert "widgets" not in nb["metadata"]
+    assert nb["metadata"]["accelerator"] == "GPU" and nb["metadata"]["colab"]["gpuType"] == "T4"
+    source = parameters_cell(nb)
+    names = {line.split("=")[0].strip() for line in source.splitlines() if "=" in line}
+    assert REQUIRED[path.name] <= names
+    for line in source.splitlines():  # plain literals only: papermill replaces them
+        value = line.split("=", 1)[1].split("#")[0].strip()
+        compile(value, "parameter", "eval")
+        assert "(" not in value, f"no logic in the parameters cell: {line}"
+    first = "".join(nb["cells"][0]["source"])
+    assert "colab-badge.svg" in first and f"notebooks/{path.name}" in first
+
+
+def test_rna_notebook_never_applies_an_english_wordpiece_tokenizer():
+    code = "".join("".join(c["source"]) for c in load(RNA)["cells"] if c["cell_type"] == "code")
+    for forbidden in ("bert-base-uncased", "BertTokenizer", "AutoTokenizer"):
+        assert forbidden not in code
+    assert "rna.nucleotide_tokenizer" in code and "RnaTokenizer" in code
+
+
+def run_notebook(path, workdir, *params, popen=False):
+    cmd = [sys.executable, "-m", "colab_kit", "run", str(path), "-o", str(workdir / "out.ipynb"),
+           "-p", "PRESET", "quick", "-p", "DRIVE_DIR", str(workdir / "drive")]
+    for name, value in params:
+        cmd += ["-p", name, value]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("COLAB_KIT_DRIVE", None)
+    if popen:
+        return subprocess.Popen(cmd, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=900)
+
+
+def events(run_dir):
+    from colab_kit.journal import read_events
+
+    return read_events(run_dir / "events.jsonl")
+
+
+@pytest.mark.slow
+def test_rna_quick_preset_runs_headless_and_learns(tmp_path):
+    proc = run_notebook(RNA, tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_dir = tmp_path / "drive" / "rna-bert"
+    summary = json.loads((run_dir / "metrics.json").read_text())
+    assert summary["metrics"]["test"]["accuracy"] >= 0.9
+    assert {"macro_f1", "mcc", "confusion", "per_class"} <= set(summary["metrics"]["test (de-duplicated)"])
+    from colab_kit.manifest import verify_folder
+
+    assert verify_folder(run_dir / "final") is None
+    assert {"model.safetensors", "config.json", "tokenizer.json", "metrics.json"} <= {p.name for p in (run_dir / "final").iterdir()}
+    assert [e["event"] for e in events(run_dir)][0] == "start" and any(e["event"] == "finish" for e in events(run_dir))
+
+
+def kill_tree(proc):
+    import psutil
+
+    parent = psutil.Process(proc.pid)
+    for child in parent.children(recursive=True):  # the kernel first: the runtime dies
+        child.send_signal(signal.SIGKILL)
+    parent.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+
+
+@pytest.mark.slow
+def test_rna_notebook_killed_after_a_durable_checkpoint_resumes_and_finishes(tmp_path):
+    run_dir = tmp_path / "drive" / "rna-bert"
+    proc = run_notebook(RNA, tmp_path, popen=True)
+    deadline = time.monotonic() + 600
+    durable = None
+    while time.monotonic() < deadline and proc.poll() is None and durable is None:
+        synced = [e["step"] for e in events(run_dir) if e["event"] == "sync"]
+        durable = synced[0] if synced else None
+        time.sleep(0.2)
+    assert durable is not None, "no durable checkpoint before the notebook ended"
+    kill_tree(proc)
+    assert not (run_dir / "metrics.json").exists()
+
+    again = run_notebook(RNA, tmp_path)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    log = events(run_dir)
+    starts = [i for i, e in enumerate(log) if e["event"] == "start"]
+    assert len(starts) == 2
+    resumed = [e for e in log[starts[1]:] if e["event"] == "resume"]
+    assert resumed and resumed[0]["step"] >= durable
+    summary = json.loads((run_dir / "metrics.json").read_text())
+    assert summary["steps"] == 290 and summary["metrics"]["test"]["accuracy"] >= 0.9
+
+
+@pytest.mark.slow
+def test_rna_notebook_stops_on_a_bad_file_with_its_message(tmp_path):
+    bad = tmp_path / "train.fasta"
+    bad.write_text("ACGUACGU\n>r1 x\nACGU\n")
+    good = tmp_path / "test.fasta"
+    good.write_text(">r1 x\nACGU\n")
+    proc = run_notebook(RNA, tmp_path, ("TRAIN_DATA", str(bad)), ("TEST_DATA", str(good)))
+    assert proc.returncode == 1
+    assert "RnaDataError" in proc.stderr and "train.fasta, line 1: sequence data before the first '>'" in proc.stderr

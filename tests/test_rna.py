@@ -1,0 +1,111 @@
+"""RNA data: reading, the clear errors for each bad input, cleaning, tokens, lengths, overlap, metrics."""
+
+import pytest
+
+from colab_kit.rna import (RnaDataError, check_test_labels, choose_max_length, classification_metrics, clean_records,
+                           generate_rna_families, length_stats, nucleotide_tokenizer, read_sequences, seen_in_training,
+                           stratified_split)
+
+
+def write(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_fasta_records_with_multiline_sequences_and_labels(tmp_path):
+    path = write(tmp_path, "train.fasta", ">RF1_a 5S_rRNA\nACGT\nacgt\n\n>RF2_b  some words miRNA\nGGGNNN\n")
+    records = read_sequences(path)
+    assert records.sequences == ["ACGTacgt", "GGGNNN"] and records.labels == ["5S_rRNA", "miRNA"]
+    assert records.lines == [1, 5] and records.names == ["RF1_a", "RF2_b"]
+
+
+@pytest.mark.parametrize("name, text", [("d.csv", "sequence,label\nACGU,x\nGGG,y\n"),
+                                        ("d.tsv", "id\tSequence\tLabel\n1\tACGU\tx\n2\tGGG\ty\n")])
+def test_csv_and_tsv_tables(tmp_path, name, text):
+    records = read_sequences(write(tmp_path, name, text))
+    assert records.sequences == ["ACGU", "GGG"] and records.labels == ["x", "y"] and records.lines == [2, 3]
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("no_header.fasta", "ACGU\n>r1 x\nACGU\n", r"no_header.fasta, line 1: sequence data before the first '>'"),
+    ("empty_seq.fasta", ">r1 x\nACGU\n>r2 y\n>r3 z\nGG\n", r"empty_seq.fasta, line 3: record 'r2 y' has an empty sequence"),
+    ("last_empty.fasta", ">r1 x\nACGU\n>r2 y\n", r"line 3: record 'r2 y' has an empty sequence"),
+    ("no_label.fasta", ">r1 x\nACGU\n>lonely\nGG\n", r"no_label.fasta, line 3: record 'lonely' has no label"),
+    ("cols.csv", "seq_id,nucleotides,class\n1,ACGU,x\n", r"cols.csv: no 'sequence' column \(columns found: seq_id, nucleotides, class\)"),
+    ("nolabel.csv", "sequence,label\nACGU,x\nGGGG,\n", r"nolabel.csv, line 3: missing label"),
+    ("emptyrow.csv", "sequence,label\n,x\n", r"emptyrow.csv, line 2: empty sequence"),
+    ("binary.fasta", b"\x89PNG\r\n\x1a\n\x00\x00\x00", r"binary.fasta is not a text file"),
+    ("latin.csv", "sequence,label\nACGU,caf\xe9\n".encode("latin-1"), r"latin.csv is not a UTF-8 text file"),
+    ("empty.fasta", "", r"empty.fasta is empty"),
+])
+def test_each_bad_input_fails_with_a_message_naming_file_record_and_line(tmp_path, name, content, message):
+    path = tmp_path / name
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(RnaDataError, match=message):
+        read_sequences(path)
+
+
+def test_missing_file_and_bad_url_say_what_to_give(tmp_path):
+    with pytest.raises(RnaDataError, match="no such file.*Drive path.*URL"):
+        read_sequences(tmp_path / "nope.fasta")
+    with pytest.raises(RnaDataError, match="could not download http://127.0.0.1:9/x.fasta"):
+        read_sequences("http://127.0.0.1:9/x.fasta")
+
+
+def test_a_test_label_never_seen_in_training_is_refused(tmp_path):
+    train = read_sequences(write(tmp_path, "train.fasta", ">a x\nACGU\n>b y\nGGG\n"))
+    test = read_sequences(write(tmp_path, "test.fasta", ">c x\nACGU\n>d z\nCCC\n"))
+    with pytest.raises(RnaDataError, match=r"test.fasta, line 3: label 'z' never occurs in the training data"):
+        check_test_labels(train, test)
+
+
+def test_cleaning_reports_what_changed(tmp_path):
+    raw = read_sequences(write(tmp_path, "raw.fasta", ">a x\nacg t\n>b x\nACGU\n>c x\nAC*GX-U\n>d x\nRYKM\n"))
+    cleaned, report = clean_records(raw)
+    assert cleaned.sequences == ["ACGU", "ACGU", "ACNGNNU", "RYKM"]
+    assert (report.changed, report.whitespace, report.lowercase, report.t_to_u) == (2, 1, 4, 1)
+    assert report.replaced == {"*": 1, "X": 1, "-": 1}
+    assert "2 of 4 sequences changed" in str(report) and "'*' x1" in str(report)
+
+
+def test_the_tokenizer_gives_one_token_per_nucleotide_and_never_unk_for_rna():
+    tokenizer = nucleotide_tokenizer()
+    long_sequence = "ACGU" * 60  # a 240-character "word": WordPiece would make it one [UNK]
+    ids = tokenizer(long_sequence)["input_ids"]
+    assert len(ids) == 242 and tokenizer.unk_token_id not in ids
+    assert tokenizer.convert_ids_to_tokens(tokenizer("GNRY")["input_ids"]) == ["[CLS]", "G", "N", "R", "Y", "[SEP]"]
+
+
+def test_max_length_from_percentiles_capped_by_the_model():
+    sequences = ["A" * n for n in range(10, 110)]  # lengths 10..109
+    assert choose_max_length(sequences, 1024, percentile=95) == (112, 0)  # ceil(p95)=105, +2 special, up to 112
+    assert choose_max_length(sequences, 64, percentile=95) == (64, 47)
+    stats = length_stats(sequences)
+    assert stats["min"] == 10 and stats["max"] == 109 and stats["p50"] == pytest.approx(59.5)
+
+
+def test_duplicates_between_test_and_training_are_found(tmp_path):
+    train = clean_records(read_sequences(write(tmp_path, "a.fasta", ">a x\nACGT\n>b y\nGGG\n")))[0]
+    test = clean_records(read_sequences(write(tmp_path, "b.fasta", ">c x\nacgu\n>d y\nGGGA\n")))[0]
+    assert seen_in_training(train, test) == [True, False]
+
+
+def test_generated_families_exercise_cleaning_and_are_balanced():
+    records = generate_rna_families(n_per_class=100, n_classes=4, seed=3)
+    assert len(records) == 400 and len(set(records.labels)) == 4
+    assert any("T" in s for s in records.sequences) and any(s.islower() for s in records.sequences)
+    assert any("N" in s for s in records.sequences)
+    assert records.sequences == generate_rna_families(n_per_class=100, n_classes=4, seed=3).sequences
+
+
+def test_stratified_split_keeps_class_shares():
+    labels = ["a"] * 90 + ["b"] * 10
+    train, val = stratified_split(labels, fraction=0.1, seed=0)
+    assert len(val) == 10 and sum(labels[i] == "b" for i in val) == 1 and not set(train) & set(val)
+
+
+def test_metrics():
+    metrics = classification_metrics(["a", "a", "b", "b"], ["a", "b", "b", "b"], ["a", "b"])
+    assert metrics["accuracy"] == 0.75 and metrics["confusion"] == [[1, 1], [0, 2]]
+    assert 0 < metrics["macro_f1"] < 1 and 0 < metrics["mcc"] < 1
