@@ -12,6 +12,7 @@ from .errors import (CheckpointError, ColabKitError, ColabKitWarning, DriveError
                      ResumeMismatchError)
 from .gauges import Gauges, plot_history
 from .journal import read_events
+from .preflight import preflight
 from .oom import MicroBatcher, OutOfMemoryError, free_memory, is_oom_error
 from .oom import configure_allocator as _configure_allocator
 from .recipes import memory_args
@@ -35,6 +36,7 @@ __all__ = [
     "Gauges",
     "plot_history",
     "memory_args",
+    "preflight",
     "read_events",
     "detect_runtime",
     "in_colab",

@@ -22,6 +22,7 @@ from pathlib import Path
 from . import storage
 from ._units import format_bytes
 from .oom import MicroBatcher, batch_size, describe_memory, memory_numbers
+from .recipes import checkpointing_requested
 
 __all__ = ["MICRO_BATCH_FILE", "MicroBatchMemory", "TrainerMicroBatching"]
 
@@ -243,12 +244,7 @@ class TrainerMicroBatching:
         params = sum(p.numel() for p in t.model.parameters())
         trainable = sum(p.numel() for p in t.model.parameters() if p.requires_grad)
         precision = "bf16 autocast" if args.bf16 else "fp16 autocast" if args.fp16 else "fp32"
-        model = t.accelerator.unwrap_model(t.model)
-        on_model = getattr(model, "is_activation_checkpointing", None)  # transformers 5's name
-        if on_model is None:
-            on_model = getattr(model, "is_gradient_checkpointing", False)
-        gc_on = bool(on_model or getattr(args, "activation_checkpointing", False)
-                     or getattr(args, "gradient_checkpointing", False))
+        gc_on = checkpointing_requested(t.accelerator.unwrap_model(t.model), args)
         lines = [f"Model: {params:,} parameters ({format_bytes(params * 4)} of fp32 weights; AdamW's training "
                  f"state adds about 12 bytes per trainable parameter: {format_bytes(trainable * 12)}). "
                  f"Sequence length {self._seq or 'n/a'}, {precision}, gradient checkpointing "

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from .runtime import RuntimeInfo, detect_runtime
 
-__all__ = ["memory_args", "make_length_grouping_resumable"]
+__all__ = ["memory_args", "make_length_grouping_resumable", "checkpointing_requested"]
 
 
 def memory_args(runtime: RuntimeInfo | None = None, *, gradient_checkpointing: bool = False,
@@ -42,6 +42,15 @@ def memory_args(runtime: RuntimeInfo | None = None, *, gradient_checkpointing: b
     if gradient_checkpointing:
         args["activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"] = True
     return args
+
+
+def checkpointing_requested(model, args=None) -> bool:
+    """Is gradient (activation) checkpointing on, or asked for in the training arguments?"""
+    on_model = getattr(model, "is_activation_checkpointing", None)  # transformers 5's name
+    if on_model is None:
+        on_model = getattr(model, "is_gradient_checkpointing", False)
+    return bool(on_model or getattr(args, "activation_checkpointing", False)
+                or getattr(args, "gradient_checkpointing", False))
 
 
 def make_length_grouping_resumable(trainer) -> None:

@@ -2,7 +2,8 @@
 
 import pytest
 
-from colab_kit.rna import (RnaDataError, check_test_labels, choose_max_length, classification_metrics, clean_records,
+from colab_kit.rna import (Records, RnaDataError, check_test_labels, choose_max_length, classification_metrics,
+                           clean_records, length_label_association,
                            generate_rna_families, length_stats, nucleotide_tokenizer, read_sequences, seen_in_training,
                            stratified_split)
 
@@ -109,3 +110,11 @@ def test_metrics():
     metrics = classification_metrics(["a", "a", "b", "b"], ["a", "b", "b", "b"], ["a", "b"])
     assert metrics["accuracy"] == 0.75 and metrics["confusion"] == [[1, 1], [0, 2]]
     assert 0 < metrics["macro_f1"] < 1 and 0 < metrics["mcc"] < 1
+
+
+def test_length_label_association_tells_when_length_grouping_would_sort_by_class():
+    by_length = Records(["A" * 70, "A" * 75, "A" * 120, "A" * 125], ["tRNA", "tRNA", "5S", "5S"], "x")
+    unrelated = Records(["A" * 70, "A" * 120, "A" * 70, "A" * 120], ["a", "a", "b", "b"], "x")
+    assert length_label_association(by_length) > 0.95
+    assert length_label_association(unrelated) == 0.0
+    assert length_label_association(generate_rna_families(n_per_class=100, seed=1)) < 0.2
