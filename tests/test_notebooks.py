@@ -133,3 +133,43 @@ def test_rna_notebook_stops_on_a_bad_file_with_its_message(tmp_path):
     proc = run_notebook(RNA, tmp_path, ("TRAIN_DATA", str(bad)), ("TEST_DATA", str(good)))
     assert proc.returncode == 1
     assert "RnaDataError" in proc.stderr and "train.fasta, line 1: sequence data before the first '>'" in proc.stderr
+
+
+GPT2 = ROOT / "notebooks" / "distilgpt2_finetune.ipynb"
+
+
+@pytest.mark.slow
+def test_gpt2_quick_preset_runs_headless_and_lowers_perplexity(tmp_path):
+    proc = run_notebook(GPT2, tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_dir = tmp_path / "drive" / "distilgpt2-wikitext"
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert metrics["perplexity_after"] < metrics["perplexity_before"] / 5
+    from colab_kit.manifest import verify_folder
+
+    assert verify_folder(run_dir / "final") is None
+    out = json.loads((tmp_path / "out.ipynb").read_text())
+    printed = "".join("".join(o.get("text", "")) for c in out["cells"] for o in c.get("outputs", []))
+    assert "layer 'lm_head2' is Linear(50257 -> 50257)" in printed  # the seed's model, flagged
+    assert "preflight: no problems found" in printed  # this notebook's configuration
+
+
+@pytest.mark.slow
+def test_gpt2_notebook_killed_after_a_durable_checkpoint_resumes_and_finishes(tmp_path):
+    run_dir = tmp_path / "drive" / "distilgpt2-wikitext"
+    proc = run_notebook(GPT2, tmp_path, ("EPOCHS", "4"), popen=True)
+    deadline = time.monotonic() + 600
+    durable = None
+    while time.monotonic() < deadline and proc.poll() is None and durable is None:
+        synced = [e["step"] for e in events(run_dir) if e["event"] == "sync"]
+        durable = synced[0] if synced else None
+        time.sleep(0.2)
+    assert durable is not None, "no durable checkpoint before the notebook ended"
+    kill_tree(proc)
+    again = run_notebook(GPT2, tmp_path, ("EPOCHS", "4"))
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    log = events(run_dir)
+    starts = [i for i, e in enumerate(log) if e["event"] == "start"]
+    resumed = [e for e in log[starts[-1]:] if e["event"] == "resume"]
+    assert len(starts) == 2 and resumed and resumed[0]["step"] >= durable
+    assert json.loads((run_dir / "metrics.json").read_text())["steps"] == 60

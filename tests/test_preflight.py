@@ -103,3 +103,20 @@ def test_training_state_larger_than_the_free_gpu_memory(tmp_path, fake_nvml):
     report = ck.preflight(model, verbose=False)
     finding = next(f for f in report.findings if f.code == "training_state")
     assert "exceed the free GPU memory (1.0 GiB)" in finding.message
+
+
+def test_freeze_layers_freezes_embeddings_and_the_lowest_blocks():
+    from colab_kit.recipes import freeze_layers
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=4, n_embd=32, n_head=2, vocab_size=100, n_positions=64))
+    frozen = freeze_layers(model, 2)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert not any(n.startswith(("transformer.wte", "transformer.wpe", "transformer.h.0.", "transformer.h.1."))
+                   for n in trainable)
+    assert any(n.startswith("transformer.h.3.") for n in trainable)
+    assert frozen == sum(p.numel() for p in model.parameters()) - sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert freeze_layers(model, 0) == 0
+    with pytest.raises(ValueError, match="has 4 blocks"):
+        freeze_layers(model, 5)
+    report = ck.preflight(model, verbose=False)
+    assert report.memory["optimizer"] == 8 * (report.trainable)  # no optimizer state for frozen parameters
