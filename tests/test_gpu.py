@@ -30,3 +30,18 @@ def test_real_oom_recovery_on_a_capped_gpu():
     code, report, proc = run_script("bench/gpu_oom.py")
     assert code == 0 and report["ok"], json.dumps(report, indent=1)
     assert report["provoked"]["oom"] and report["kit"]["peak_allocated_gib"] <= report["cap_gib"]
+
+
+@pytest.mark.slow
+def test_gpu_gpt2_script_code_path_on_cpu():
+    code, report, proc = run_script("bench/gpu_gpt2.py", "--cpu-smoke")
+    assert code == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert report["ok"] and report["seed"]["error"] is None and report["kit"]["steps"] == 6
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: DistilGPT2 configurations under a 15 GiB cap")
+def test_seed_vs_kit_gpt2_on_a_capped_gpu():
+    code, report, proc = run_script("bench/gpu_gpt2.py")
+    assert code == 0 and report["ok"], json.dumps(report, indent=1)
+    assert report["seed"]["out_of_memory"] and report["kit"]["peak_allocated_gib"] <= report["cap_gib"]
