@@ -33,7 +33,7 @@ class Ragged(torch.utils.data.Dataset):
     def __init__(self, n, seed):
         rng = np.random.default_rng(seed)
         self.rows = []
-        for i in range(n):
+        for _ in range(n):
             length = 48 if rng.random() < 0.004 else int(rng.integers(4, 13))
             start = int(rng.integers(3, 20))
             self.rows.append([(start + k) % 29 + 3 for k in range(length)])  # counting patterns
@@ -143,7 +143,7 @@ def main() -> int:
           f"{TOKEN_LIMIT} tokens per micro-batch\n")
     head = ("method", "opt. steps run", "steps lost", "eff. batch", "held-out loss", "max|w-w_ref|", "time s")
     print(f"{head[0]:<30}{head[1]:>15}{head[2]:>11}{head[3]:>11}{head[4]:>14}{head[5]:>14}{head[6]:>8}")
-    for name, steps, lost, batch, loss, diff, seconds, note in rows:
+    for name, steps, lost, batch, loss, diff, seconds, _ in rows:
         print(f"{name:<30}{steps:>15}{lost:>11}{batch:>11}{loss:>14.4f}{diff:>14.2e}{seconds:>8.1f}")
     print()
     for name, *_, note in rows[1:]:

@@ -24,10 +24,12 @@ from typing import Callable, Iterable
 from . import storage
 from .manifest import MANIFEST, Manifest, read_manifest, verify_folder, write_manifest
 
-__all__ = ["CHECKPOINTS", "KIT_STATE", "Found", "checkpoint_dir", "list_checkpoints",
+__all__ = ["CHECKPOINTS", "ARCHIVE", "FINAL", "KIT_STATE", "Found", "checkpoint_dir", "list_checkpoints",
            "find_latest", "fetch_checkpoint", "publish_folder", "prune_checkpoints", "model_signature"]
 
 CHECKPOINTS = "checkpoints"
+ARCHIVE = "archive"  # checkpoints moved aside by start_run(resume=False)
+FINAL = "final"  # the exported model
 KIT_STATE = "colab_kit_state.json"
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 log = logging.getLogger(__name__)

@@ -8,7 +8,6 @@ empty_cache(), and never resets PyTorch's peak statistics: it only looks.
 
 from __future__ import annotations
 
-import os
 import shutil
 import sys
 import threading

@@ -25,24 +25,19 @@ from pathlib import Path
 from . import storage
 from ._notices import Notices
 from ._units import format_age, format_bytes, parse_duration
-from .checkpoint import CHECKPOINTS, KIT_STATE, Found, find_latest, list_checkpoints
+from .checkpoint import ARCHIVE, CHECKPOINTS, FINAL, KIT_STATE, Found, find_latest, list_checkpoints
 from .drive import flush_hint, remount_drive, resolve_root
-from .errors import ColabKitError, DriveError, ResumeMismatchError
+from .errors import ColabKitError, DriveError
 from .journal import EVENTS, Journal
 from .lease import Lease, LeaseInfo
-from .recipes import make_length_grouping_resumable
 from .runtime import RuntimeInfo, detect_runtime, in_colab
 from .sync import SNAPSHOTS, Mirror, take_snapshot
 
 __all__ = ["Run", "start_run"]
 
 log = logging.getLogger(__name__)
-ARCHIVE = "archive"
-FINAL = "final"
 _NAME_OK = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 _ACTIVE: dict[str, "weakref.ref[Run]"] = {}  # run folder -> the open Run of this process
-# Fingerprint fields that make a checkpoint unusable; the others only earn a warning.
-_INCOMPATIBLE = {"model": "model tensor names/shapes", "effective_batch": "effective batch size"}
 _REMOUNT_EVERY_S = 300.0
 
 
@@ -144,70 +139,21 @@ class Run:
                 as large again (off by default).
             **train_kwargs: passed to `trainer.train`.
         """
-        from .microbatch import TrainerMicroBatching
-        from .oom import OutOfMemoryError, is_fatal_cuda_error, is_oom_error
+        from .training import train
 
         self._require_open("train")
-        present = {type(cb) for cb in trainer.callback_handler.callbacks}
-        for cb in self.callbacks():
-            if type(cb) not in present:
-                trainer.add_callback(cb)
-        self.check_compatible(trainer.model, trainer.args)
-        self._adjust_args(trainer.args)
-        make_length_grouping_resumable(trainer)
-        if "resume_from_checkpoint" not in train_kwargs and self.resume_from is not None:
-            train_kwargs["resume_from_checkpoint"] = str(self.resume_from)
-        self.micro_batching = TrainerMicroBatching(self, trainer, grow_back_after=grow_back_after)
-        guard = self.micro_batching if oom_recovery and self.micro_batching.install() else None
-        status = "error"
-        try:
-            if self._already_complete(trainer, train_kwargs.get("resume_from_checkpoint")):
-                output = self._load_completed(trainer, Path(train_kwargs["resume_from_checkpoint"]))
-            else:
-                output = trainer.train(**train_kwargs)
-            status = "completed"
-            return output
-        except KeyboardInterrupt:
-            status = "interrupted"
-            raise
-        except Exception as exc:
-            self._close_gauges(error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}")
-            if guard is not None and guard.after_step and is_oom_error(exc) and not isinstance(exc, OutOfMemoryError):
-                self.journal.write("oom", step=trainer.state.global_step + 1, where="optimizer step",
-                                   error=str(exc).splitlines()[0][:300])
-                raise OutOfMemoryError(guard.optimizer_oom_message()) from exc
-            if is_fatal_cuda_error(exc):
-                exc.add_note("colab_kit: this CUDA error breaks the CUDA context, so it cannot be retried "
-                             "in place. Restart the runtime (Runtime -> Restart session) and run all "
-                             "cells: training resumes from the last checkpoint. To find the failing "
-                             "operation, set os.environ['CUDA_LAUNCH_BLOCKING'] = '1' first.")
-            raise
-        finally:
-            self.global_step = trainer.state.global_step
-            if guard is not None:
-                guard.uninstall()
-            self.finish(status=status)
+        return train(self, trainer, oom_recovery=oom_recovery, grow_back_after=grow_back_after, **train_kwargs)
 
-    def _already_complete(self, trainer, checkpoint) -> bool:
-        # Resuming from a checkpoint at max_steps makes the Trainer run one step too many (its
-        # stop check comes after a step), so a finished run is recognised here instead.
-        if checkpoint is None or self.resume_manifest is None:
-            return False
-        planned = _planned_max_steps(trainer)
-        return planned is not None and self.resume_manifest.step >= planned
+    def check_compatible(self, model, args) -> None:
+        """Stop before training when the checkpoint to resume from cannot fit this model and these
+        arguments (different tensor shapes or effective batch), with the call that starts fresh.
 
-    def _load_completed(self, trainer, checkpoint: Path):
-        from transformers.trainer_callback import TrainerState
-        from transformers.trainer_utils import TrainOutput
+        Raises:
+            ResumeMismatchError: what changed, and `ck.start_run(name, resume=False)`.
+        """
+        from .training import check_compatible
 
-        trainer._load_from_checkpoint(str(checkpoint))  # the Trainer's own loader (sharded, PEFT, ...)
-        trainer.state = TrainerState.load_from_json(str(checkpoint / "trainer_state.json"))
-        losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-        step = trainer.state.global_step
-        print(f"colab_kit: run {self.name!r} already reached step {step}; loaded its final weights "
-              f"instead of training again.")
-        self.journal.write("complete", step=step, checkpoint=str(checkpoint))
-        return TrainOutput(step, losses[-1] if losses else float("nan"), {"already_complete": True})
+        check_compatible(self, model, args)
 
     def save_final(self, model, tokenizer=None, metrics: dict | None = None, retries: int = 3) -> Path:
         """Export the trained model to `<drive_dir>/final/`: safetensors, config, tokenizer, metrics
@@ -262,68 +208,6 @@ class Run:
 
         return CheckpointStore(self.drive_dir, keep=self.keep, local_dir=self.local_dir,
                                _journal=self.journal, _notices=self.notices, _mirror=self.mirror)
-
-    def trainer_fingerprint(self, model, args) -> dict:
-        """What a checkpoint records about the model and the training arguments that matter."""
-        from .checkpoint import model_signature
-
-        fp = model_signature(model)
-        world = max(1, int(getattr(args, "world_size", 1) or 1))
-        fp["effective_batch"] = int(args.per_device_train_batch_size * args.gradient_accumulation_steps * world)
-        for key in ("per_device_train_batch_size", "gradient_accumulation_steps", "learning_rate",
-                    "seed", "max_steps", "num_train_epochs", "warmup_steps", "weight_decay"):
-            fp[key] = getattr(args, key, None)
-        fp["lr_scheduler_type"] = str(getattr(args, "lr_scheduler_type", ""))
-        return fp
-
-    def check_compatible(self, model, args) -> None:
-        """Stop before training when the checkpoint to resume from cannot fit this setup.
-
-        Raises:
-            ResumeMismatchError: different model shapes or effective batch, with the exact
-                call that starts fresh instead.
-        """
-        self.fingerprint = self.trainer_fingerprint(model, args)
-        if self.resume_manifest is None:
-            return
-        saved = self.resume_manifest.fingerprint
-        problems, notes = [], []
-        for key, value in self.fingerprint.items():
-            if key not in saved or saved[key] == value or key == "parameters":
-                continue
-            if key in _INCOMPATIBLE:
-                what = _INCOMPATIBLE[key]
-                if key == "model":
-                    problems.append(f"{what}: {saved.get('parameters', 0):,} parameters then, "
-                                    f"{self.fingerprint['parameters']:,} now, different tensors")
-                else:
-                    problems.append(f"{what}: {saved[key]} then, {value} now")
-            else:
-                notes.append(f"{key} {saved[key]} -> {value}")
-        if problems:
-            raise ResumeMismatchError(
-                f"checkpoint-{self.resume_manifest.step} in {self.drive_dir} was made by a different "
-                f"setup, so training cannot continue from it: " + "; ".join(problems) + ". "
-                f"Restore the old settings to continue, or start fresh (old checkpoints are moved "
-                f"to {self.drive_dir / ARCHIVE}): ck.start_run({self.name!r}, resume=False)")
-        if notes:
-            self.notices.add("resuming with changed settings: " + ", ".join(notes))
-            self.journal.write("warn", what="changed_settings", changes=notes)
-            self.notices.show()
-
-    def _adjust_args(self, args) -> None:
-        out = Path(args.output_dir).absolute()
-        if out == self.drive_dir or self.drive_dir in out.parents:
-            self.notices.add(f"output_dir {out} is inside the persistent folder: every save then "
-                             f"blocks on Drive. Use TrainingArguments(output_dir=run.local_dir); the "
-                             f"kit mirrors checkpoints to Drive in the background")
-        if args.save_total_limit is None:
-            # The kit keeps the history on Drive; unlimited local copies only fill the VM disk.
-            args.save_total_limit = max(self.keep, 2)
-        if getattr(args, "save_only_model", False):
-            self.notices.add("save_only_model=True: checkpoints hold no optimizer, scheduler or RNG "
-                             "state, so a resume will not continue exactly")
-        self.notices.show()
 
     # -- main-thread housekeeping, called from the callbacks --------------------------------------
     def _want_remount(self) -> None:
@@ -423,21 +307,6 @@ class Run:
 
     def __repr__(self) -> str:
         return f"Run({self.name!r}, drive_dir={str(self.drive_dir)!r}, resume_from={self.resume_from})"
-
-
-def _planned_max_steps(trainer) -> int | None:
-    """The Trainer's total optimizer steps, computed as `Trainer.set_initial_training_values` does."""
-    import math
-
-    args = trainer.args
-    if args.max_steps is not None and args.max_steps > 0:
-        return int(args.max_steps)
-    try:
-        batches = len(trainer.get_train_dataloader())
-    except (TypeError, ValueError):  # an iterable dataset without a length
-        return None
-    per_epoch = max(math.ceil(batches / args.gradient_accumulation_steps), 1)
-    return math.ceil(args.num_train_epochs * per_epoch)
 
 
 def _parse_save_every(save_every) -> tuple[float | None, int | None]:

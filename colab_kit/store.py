@@ -124,7 +124,6 @@ class CheckpointStore:
             **extra: small picklable-free values (numbers, strings, lists, dicts, tensors),
                 available as `store.extra` after `restore_latest`.
         """
-        import torch
         from safetensors.torch import save_model
 
         if self._closed:
@@ -154,7 +153,7 @@ class CheckpointStore:
         fingerprint = model_signature(model) if model is not None else {}
         self._mirror.submit(take_snapshot(final, self.local_dir / SNAPSHOTS, step, fingerprint))
         self._journal.write("save", step=step, local=str(final))
-        for old_step, old in list_checkpoints(self.local_dir)[self.keep:]:
+        for _, old in list_checkpoints(self.local_dir)[self.keep:]:
             shutil.rmtree(old, ignore_errors=True)  # the snapshot keeps its own links
         self._notices.show()
         return final

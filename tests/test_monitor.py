@@ -2,9 +2,8 @@
 
 import shutil
 
-import pytest
 
-from colab_kit.monitor import (GpuReading, History, HostReading, Sample, Sampler, _Nvml, read_disk, read_gpu,
+from colab_kit.monitor import (GpuReading, History, Sample, Sampler, _Nvml, read_disk, read_gpu,
                                read_host, read_torch)
 
 

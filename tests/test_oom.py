@@ -18,7 +18,7 @@ def _wrapped(inner, how):
         except Exception as exc:
             if how == "cause":
                 raise RuntimeError("training step failed") from exc
-            raise ValueError("while handling it, something else failed")  # __context__
+            raise ValueError("while handling it, something else failed")  # noqa: B904 - an implicit __context__
     except Exception as outer:
         return outer
 
