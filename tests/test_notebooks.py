@@ -99,10 +99,10 @@ def kill_tree(proc):
     proc.wait(timeout=60)
 
 
-@pytest.mark.slow
-def test_rna_notebook_killed_after_a_durable_checkpoint_resumes_and_finishes(tmp_path):
-    run_dir = tmp_path / "drive" / "rna-bert"
-    proc = run_notebook(RNA, tmp_path, popen=True)
+def kill_after_first_durable_checkpoint_and_rerun(notebook, workdir, run_dir, *params) -> tuple[int, list]:
+    """Run the notebook, kill its kernel once a checkpoint is durable, run it again; returns
+    (the first durable step, the events of the second run)."""
+    proc = run_notebook(notebook, workdir, *params, popen=True)
     deadline = time.monotonic() + 600
     durable = None
     while time.monotonic() < deadline and proc.poll() is None and durable is None:
@@ -112,13 +112,19 @@ def test_rna_notebook_killed_after_a_durable_checkpoint_resumes_and_finishes(tmp
     assert durable is not None, "no durable checkpoint before the notebook ended"
     kill_tree(proc)
     assert not (run_dir / "metrics.json").exists()
-
-    again = run_notebook(RNA, tmp_path)
+    again = run_notebook(notebook, workdir, *params)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     log = events(run_dir)
     starts = [i for i, e in enumerate(log) if e["event"] == "start"]
     assert len(starts) == 2
-    resumed = [e for e in log[starts[1]:] if e["event"] == "resume"]
+    return durable, log[starts[1]:]
+
+
+@pytest.mark.slow
+def test_rna_notebook_killed_after_a_durable_checkpoint_resumes_and_finishes(tmp_path):
+    run_dir = tmp_path / "drive" / "rna-bert"
+    durable, second = kill_after_first_durable_checkpoint_and_rerun(RNA, tmp_path, run_dir)
+    resumed = [e for e in second if e["event"] == "resume"]
     assert resumed and resumed[0]["step"] >= durable
     summary = json.loads((run_dir / "metrics.json").read_text())
     assert summary["steps"] == 290 and summary["metrics"]["test"]["accuracy"] >= 0.9
@@ -157,19 +163,7 @@ def test_gpt2_quick_preset_runs_headless_and_lowers_perplexity(tmp_path):
 @pytest.mark.slow
 def test_gpt2_notebook_killed_after_a_durable_checkpoint_resumes_and_finishes(tmp_path):
     run_dir = tmp_path / "drive" / "distilgpt2-wikitext"
-    proc = run_notebook(GPT2, tmp_path, ("EPOCHS", "4"), popen=True)
-    deadline = time.monotonic() + 600
-    durable = None
-    while time.monotonic() < deadline and proc.poll() is None and durable is None:
-        synced = [e["step"] for e in events(run_dir) if e["event"] == "sync"]
-        durable = synced[0] if synced else None
-        time.sleep(0.2)
-    assert durable is not None, "no durable checkpoint before the notebook ended"
-    kill_tree(proc)
-    again = run_notebook(GPT2, tmp_path, ("EPOCHS", "4"))
-    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    log = events(run_dir)
-    starts = [i for i, e in enumerate(log) if e["event"] == "start"]
-    resumed = [e for e in log[starts[-1]:] if e["event"] == "resume"]
-    assert len(starts) == 2 and resumed and resumed[0]["step"] >= durable
+    durable, second = kill_after_first_durable_checkpoint_and_rerun(GPT2, tmp_path, run_dir, ("EPOCHS", "4"))
+    resumed = [e for e in second if e["event"] == "resume"]
+    assert resumed and resumed[0]["step"] >= durable
     assert json.loads((run_dir / "metrics.json").read_text())["steps"] == 60
