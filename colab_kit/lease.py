@@ -31,10 +31,19 @@ log = logging.getLogger(__name__)
 
 
 def _process_start(pid: int) -> float | None:
+    """When process `pid` on this host started, or None when it has ended.
+
+    A killed process whose parent died too stays a zombie until something reaps it, and in a
+    container without a reaping init that can be forever: a zombie holds nothing, so it
+    counts as ended.
+    """
     try:
         import psutil
 
-        return psutil.Process(pid).create_time()
+        process = psutil.Process(pid)
+        if process.status() == psutil.STATUS_ZOMBIE:
+            return None
+        return process.create_time()
     except Exception:
         return None
 

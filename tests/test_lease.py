@@ -50,6 +50,24 @@ def test_dead_process_on_this_host_is_stale(drive):
     Lease(drive).acquire()
 
 
+def test_killed_process_left_as_a_zombie_is_stale(drive):
+    # A kernel killed with its parent can stay a zombie where nothing reaps it (CI containers):
+    # it still has a pid and a start time, but holds nothing.
+    import psutil
+
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.monotonic() + 30
+    while psutil.Process(proc.pid).status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
+        time.sleep(0.05)  # not waited for: it stays a zombie until proc.wait()
+    assert psutil.Process(proc.pid).status() == psutil.STATUS_ZOMBIE
+    _foreign_lease(drive, host=socket.gethostname(), pid=proc.pid,
+                   pid_start=psutil.Process(proc.pid).create_time())
+    try:
+        assert "ended" in lease_staleness(read_lease(drive))
+    finally:
+        proc.wait()
+
+
 def test_reused_pid_is_recognised_by_its_start_time(drive):
     import os
 

@@ -93,10 +93,21 @@ def kill_tree(proc):
     import psutil
 
     parent = psutil.Process(proc.pid)
-    for child in parent.children(recursive=True):  # the kernel first: the runtime dies
+    children = parent.children(recursive=True)
+    for child in children:  # the kernel first: the runtime dies
         child.send_signal(signal.SIGKILL)
     parent.send_signal(signal.SIGKILL)
     proc.wait(timeout=60)
+    # SIGKILL lands asynchronously; orphans may stay zombies where nothing reaps them.
+    deadline = time.monotonic() + 60
+    for child in children:
+        while time.monotonic() < deadline:
+            try:
+                if child.status() == psutil.STATUS_ZOMBIE:
+                    break
+            except psutil.NoSuchProcess:
+                break
+            time.sleep(0.05)
 
 
 def kill_after_first_durable_checkpoint_and_rerun(notebook, workdir, run_dir, *params) -> tuple[int, list]:

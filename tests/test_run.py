@@ -2,6 +2,7 @@
 
 import errno
 import json
+import re
 import shutil
 
 import pytest
@@ -213,7 +214,8 @@ def test_drive_trouble_during_training_never_stops_it(drive, local, drive_faults
     trainer.add_callback(Trouble())
     output = run.train(trainer)
     assert output.global_step == 60
-    assert "could not sync checkpoint-20" in capsys.readouterr().err
+    # Which checkpoint fails first depends on how far the upload of checkpoint-10 got.
+    assert re.search(r"could not sync checkpoint-(10|20|30|40) ", capsys.readouterr().err)
     warns = [e for e in events(run, "warn") if e["what"] == "sync_failed"]
     assert warns and warns[0]["errno"] == code
     assert events(run, "finish")[-1]["synced"] is True and run.mirror.durable_step == 60
