@@ -86,16 +86,16 @@ def _describe(module) -> str:
 
 
 def _free_memory() -> tuple[int | None, int | None]:
-    """(free host RAM, free GPU memory) without touching CUDA."""
-    host = gpu = None
-    try:
-        import psutil
+    """(free host RAM, free GPU memory) without touching CUDA.
 
-        host = psutil.virtual_memory().available
-    except Exception:
-        pass
-    from .monitor import _Nvml, read_gpu
+    Host RAM is measured as the gauges measure it: the container's limit less its working set,
+    since the cgroup limit, not the VM's RAM, is what kills a Colab runtime.
+    """
+    from .monitor import _Nvml, read_gpu, read_host
 
+    ram = read_host()
+    host = ram.limit - ram.used if ram.limit is not None and ram.used is not None else None
+    gpu = None
     nvml = _Nvml()
     reading = read_gpu(nvml)
     nvml.close()

@@ -177,8 +177,9 @@ class Run:
         model.save_pretrained(local, safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(local)
-        if metrics is not None:
-            (local / "metrics.json").write_text(json.dumps(metrics, indent=1, default=float))
+        metrics_json = (json.dumps(metrics, indent=1, default=float) + "\n").encode() if metrics is not None else None
+        if metrics_json is not None:
+            (local / "metrics.json").write_bytes(metrics_json)
         from . import __version__
 
         manifest = Manifest(step=int(self.global_step or 0), files=hash_folder(local), kit_version=__version__,
@@ -194,9 +195,8 @@ class Run:
                                      f"disk at {local}; copy it yourself, or call run.save_final(...) again "
                                      f"when Drive works") from exc
                 time.sleep(2 ** attempt)
-        if metrics is not None:
-            storage.atomic_write_bytes(self.drive_dir / "metrics.json",
-                                       (json.dumps(metrics, indent=1, default=float) + "\n").encode())
+        if metrics_json is not None:
+            storage.atomic_write_bytes(self.drive_dir / "metrics.json", metrics_json)
         self.journal.write("final", path=str(target), bytes=manifest.total_bytes, files=len(manifest.files))
         print(f"colab_kit: final model saved to {target} ({format_bytes(manifest.total_bytes)}, "
               f"{len(manifest.files)} files, verified)")

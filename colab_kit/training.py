@@ -65,6 +65,7 @@ def train(run, trainer, *, oom_recovery: bool = True, grow_back_after: int | Non
             guard.uninstall()
         run.finish(status=status)
 
+
 def _already_complete(run, trainer, checkpoint) -> bool:
     # Resuming from a checkpoint at max_steps makes the Trainer run one step too many (its
     # stop check comes after a step), so a finished run is recognised here instead.
@@ -72,6 +73,7 @@ def _already_complete(run, trainer, checkpoint) -> bool:
         return False
     planned = planned_max_steps(trainer)
     return planned is not None and run.resume_manifest.step >= planned
+
 
 def _load_completed(run, trainer, checkpoint: Path):
     from transformers.trainer_callback import TrainerState
@@ -99,6 +101,7 @@ def trainer_fingerprint(model, args) -> dict:
         fp[key] = getattr(args, key, None)
     fp["lr_scheduler_type"] = str(getattr(args, "lr_scheduler_type", ""))
     return fp
+
 
 def check_compatible(run, model, args) -> None:
     """Stop before training when the checkpoint to resume from cannot fit this setup.
@@ -134,6 +137,7 @@ def check_compatible(run, model, args) -> None:
         run.notices.add("resuming with changed settings: " + ", ".join(notes))
         run.journal.write("warn", what="changed_settings", changes=notes)
         run.notices.show()
+
 
 def adjust_args(run, args) -> None:
     """Warn about settings that defeat the kit, and cap local checkpoints (Drive keeps the history)."""

@@ -74,17 +74,22 @@ def events(run_dir):
     return read_events(run_dir / "events.jsonl")
 
 
-@pytest.mark.slow
-def test_rna_quick_preset_runs_headless_and_learns(tmp_path):
-    proc = run_notebook(RNA, tmp_path)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    run_dir = tmp_path / "drive" / "rna-bert"
-    summary = json.loads((run_dir / "metrics.json").read_text())
-    assert summary["metrics"]["test"]["accuracy"] >= 0.9
-    assert {"macro_f1", "mcc", "confusion", "per_class"} <= set(summary["metrics"]["test (de-duplicated)"])
+def run_to_the_end(notebook, workdir, run_name) -> tuple[Path, dict]:
+    """Run the notebook once; it must succeed and leave a verified `final/`. Returns (run folder, metrics)."""
     from colab_kit.manifest import verify_folder
 
+    proc = run_notebook(notebook, workdir)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_dir = workdir / "drive" / run_name
     assert verify_folder(run_dir / "final") is None
+    return run_dir, json.loads((run_dir / "metrics.json").read_text())
+
+
+@pytest.mark.slow
+def test_rna_quick_preset_runs_headless_and_learns(tmp_path):
+    run_dir, summary = run_to_the_end(RNA, tmp_path, "rna-bert")
+    assert summary["metrics"]["test"]["accuracy"] >= 0.9
+    assert {"macro_f1", "mcc", "confusion", "per_class"} <= set(summary["metrics"]["test (de-duplicated)"])
     assert {"model.safetensors", "config.json", "tokenizer.json", "metrics.json"} <= {p.name for p in (run_dir / "final").iterdir()}
     assert [e["event"] for e in events(run_dir)][0] == "start" and any(e["event"] == "finish" for e in events(run_dir))
 
@@ -157,14 +162,8 @@ GPT2 = ROOT / "notebooks" / "distilgpt2_finetune.ipynb"
 
 @pytest.mark.slow
 def test_gpt2_quick_preset_runs_headless_and_lowers_perplexity(tmp_path):
-    proc = run_notebook(GPT2, tmp_path)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    run_dir = tmp_path / "drive" / "distilgpt2-wikitext"
-    metrics = json.loads((run_dir / "metrics.json").read_text())
+    _, metrics = run_to_the_end(GPT2, tmp_path, "distilgpt2-wikitext")
     assert metrics["perplexity_after"] < metrics["perplexity_before"] / 5
-    from colab_kit.manifest import verify_folder
-
-    assert verify_folder(run_dir / "final") is None
     out = json.loads((tmp_path / "out.ipynb").read_text())
     printed = "".join("".join(o.get("text", "")) for c in out["cells"] for o in c.get("outputs", []))
     assert "layer 'lm_head2' is Linear(50257 -> 50257)" in printed  # the seed's model, flagged
