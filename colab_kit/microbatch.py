@@ -91,11 +91,11 @@ def _concat(parts: list):
 class TrainerMicroBatching:
     """Installs adaptive micro-batching on one Trainer for the duration of `run.train`."""
 
-    def __init__(self, run, trainer, *, grow_back_after: int | None = None):
+    def __init__(self, run, trainer, *, grow_back_after: int | None = None, micro_batch: int | None = None):
         self.run = run
         self.trainer = trainer
         self.memory = MicroBatchMemory(run.drive_dir / MICRO_BATCH_FILE, run.notices)
-        self.train = MicroBatcher(on_backoff=self._on_backoff, grow_back_after=grow_back_after,
+        self.train = MicroBatcher(micro_batch, on_backoff=self._on_backoff, grow_back_after=grow_back_after,
                                   diagnose=self._diagnosis)
         self.eval = MicroBatcher(on_backoff=self._on_backoff, diagnose=self._diagnosis)
         self.after_step = False  # True between a training step and the next: the optimizer's turn

@@ -20,11 +20,20 @@ __all__ = ["train", "trainer_fingerprint", "check_compatible", "adjust_args", "p
 INCOMPATIBLE = {"model": "model tensor names/shapes", "effective_batch": "effective batch size"}
 
 
-def train(run, trainer, *, oom_recovery: bool = True, grow_back_after: int | None = None, **train_kwargs):
+def train(run, trainer, *, oom_recovery: bool = True, grow_back_after: int | None = None,
+          micro_batch: int | None = None, **train_kwargs):
     """The body of `Run.train` (see its docstring)."""
     from .microbatch import TrainerMicroBatching
     from .oom import OutOfMemoryError, is_fatal_cuda_error, is_oom_error
 
+    # Refused before anything changes: the run stays open for a corrected call.
+    if micro_batch is not None and (isinstance(micro_batch, bool) or not isinstance(micro_batch, int)
+                                    or micro_batch < 1):
+        raise ValueError(f"micro_batch={micro_batch!r}: give a whole number of rows >= 1, or None "
+                         f"(the whole effective batch at once)")
+    if micro_batch is not None and not oom_recovery:
+        raise ValueError("micro_batch needs the kit's training step: leave oom_recovery=True, or use "
+                         "gradient_accumulation_steps in TrainingArguments instead")
     present = {type(cb) for cb in trainer.callback_handler.callbacks}
     for cb in run.callbacks():
         if type(cb) not in present:
@@ -34,7 +43,7 @@ def train(run, trainer, *, oom_recovery: bool = True, grow_back_after: int | Non
     make_length_grouping_resumable(trainer)
     if "resume_from_checkpoint" not in train_kwargs and run.resume_from is not None:
         train_kwargs["resume_from_checkpoint"] = str(run.resume_from)
-    run.micro_batching = TrainerMicroBatching(run, trainer, grow_back_after=grow_back_after)
+    run.micro_batching = TrainerMicroBatching(run, trainer, grow_back_after=grow_back_after, micro_batch=micro_batch)
     guard = run.micro_batching if oom_recovery and run.micro_batching.install() else None
     status = "error"
     try:

@@ -203,11 +203,36 @@ def test_split_batch_handles_dicts_tuples_tensors_and_trims_right_padding():
     batch = lm_batch(rows=6)
     batch["attention_mask"][:3, 7:] = 0
     batch["attention_mask"][3:, 5:] = 0
-    first, second = split_batch(batch, 3)
-    assert first["input_ids"].shape == (3, 7) and second["labels"].shape == (3, 5)
+    first, second = split_batch(batch, 3)  # ordered by length first: the shorter rows come first
+    assert first["input_ids"].shape == (3, 5) and second["labels"].shape == (3, 7)
     x, y = split_batch((torch.zeros(5, 2), torch.ones(5)), 2)[2]
     assert x.shape == (1, 2) and y.shape == (1,)
     assert [t.shape[0] for t in split_batch(torch.zeros(7, 3), 3)] == [3, 3, 1]
+
+
+def test_a_split_batch_groups_rows_of_similar_length_and_keeps_them_whole():
+    batch = lm_batch(rows=8, length=12, seed=3)
+    batch["names"] = [f"row{i}" for i in range(8)]
+    lengths = [int(n) for n in batch["attention_mask"].sum(dim=1)]
+    chunks = split_batch(batch, 2)
+    # every row once, with its own ids, labels and name; the shortest rows share a micro-batch
+    rows = {}
+    for chunk in chunks:
+        for i, name in enumerate(chunk["names"]):
+            n = int(chunk["attention_mask"][i].sum())
+            rows[name] = (chunk["input_ids"][i, :n].tolist(), chunk["labels"][i, :n].tolist())
+    assert rows == {f"row{i}": (batch["input_ids"][i, :lengths[i]].tolist(), batch["labels"][i, :lengths[i]].tolist())
+                    for i in range(8)}
+    assert [c["input_ids"].shape[1] for c in chunks] == sorted(lengths)[1::2]  # each cut to its longest row
+    assert sum(c["input_ids"].numel() for c in chunks) < sum(c["input_ids"].numel() for c in _unsorted(batch, 2))
+    # evaluation keeps the order (its outputs are concatenated back)
+    assert [c["names"] for c in split_batch(batch, 2, trim_padding=False)] == [batch["names"][i:i + 2]
+                                                                              for i in range(0, 8, 2)]
+
+
+def _unsorted(batch, micro):
+    rows = batch["input_ids"].shape[0]
+    return [{k: v[i:i + micro] for k, v in batch.items() if hasattr(v, "shape")} for i in range(0, rows, micro)]
 
 
 def test_plain_loop_with_a_grad_scaler_style_backward():

@@ -8,8 +8,8 @@ already accumulated). Dropout is 0: dropout masks depend on how a batch is split
 import numpy as np
 import pytest
 import torch
-from transformers import (BertConfig, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel, Trainer,
-                          TrainerCallback, TrainingArguments)
+from transformers import (BertConfig, BertForMaskedLM, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel,
+                          Trainer, TrainerCallback, TrainingArguments)
 
 import colab_kit as ck
 from colab_kit.journal import read_events
@@ -59,6 +59,10 @@ def build_model(kind):
         return BertForSequenceClassification(BertConfig(
             vocab_size=32, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
             max_position_embeddings=32, num_labels=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+    if kind == "bert-mlm":
+        return BertForMaskedLM(BertConfig(
+            vocab_size=32, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+            max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
     return GPT2LMHeadModel(GPT2Config(vocab_size=32, n_positions=32, n_embd=32, n_layer=2, n_head=2,
                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, pad_token_id=0))
 
@@ -86,8 +90,9 @@ def trainer_for(run_or_dir, kind, *, batch=32, accum=1, steps=12, model=None, ev
                              gradient_accumulation_steps=accum, per_device_eval_batch_size=32,
                              learning_rate=5e-3, lr_scheduler_type="linear", warmup_steps=2, logging_steps=1,
                              save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True, seed=0, **extra)
-    return Trainer(model=model or build_model(kind), args=args, train_dataset=RaggedData(causal=kind == "gpt2"),
-                   eval_dataset=eval_data, data_collator=pad_collate(kind == "gpt2"))
+    token_labels = kind in ("gpt2", "bert-mlm")
+    return Trainer(model=model or build_model(kind), args=args, train_dataset=RaggedData(causal=token_labels),
+                   eval_dataset=eval_data, data_collator=pad_collate(token_labels))
 
 
 def state(trainer):
@@ -151,6 +156,40 @@ def test_without_an_oom_the_kit_trains_like_the_plain_trainer(drive, local, tmp_
     run.train(kit)
     assert max_diff(state(plain), state(kit)) <= 1e-6
     assert learning_rates(plain) == learning_rates(kit)
+
+
+@pytest.mark.parametrize("kind", ["bert", "gpt2", "bert-mlm"])
+def test_a_chosen_micro_batch_trains_like_the_whole_batch_on_less_padding(drive, local, kind):
+    """Also a masked LM: its loss views the cut labels flat, which needs them contiguous."""
+    ref_run = ck.start_run("whole", drive=drive, local_dir=local / "w", save_every=None, quiet=True)
+    reference = trainer_for(ref_run, kind)
+    ref_run.train(reference)
+    run = ck.start_run("micro", drive=drive, local_dir=local / "m", save_every=None, quiet=True)
+    trainer = trainer_for(run, kind)
+    shapes = []
+    trainer.model.get_input_embeddings().register_forward_hook(
+        lambda module, args, output: shapes.append(tuple(output.shape[:2])) if module.training else None)
+    run.train(trainer, micro_batch=8)
+    assert max_diff(state(reference), state(trainer)) <= 1e-5
+    assert learning_rates(reference) == learning_rates(trainer)
+    assert len(shapes) == 4 * 12 and {rows for rows, _ in shapes} == {8}
+    per_step = [shapes[i:i + 4] for i in range(0, len(shapes), 4)]
+    assert all([length for _, length in step] == sorted(length for _, length in step) for step in per_step)
+    assert sum(rows * length for rows, length in shapes) < 0.9 * 32 * sum(max(l for _, l in s) for s in per_step)
+    assert oom_events(run) == [] and run.micro_batching.summary() is None
+
+
+@pytest.mark.parametrize("bad", [0, -4, 2.5, True, "8"])
+def test_a_bad_micro_batch_is_refused_before_training(drive, local, bad):
+    run = ck.start_run("bad", drive=drive, local_dir=local, save_every=None, quiet=True)
+    trainer = trainer_for(run, "bert", steps=2)
+    with pytest.raises(ValueError, match="micro_batch=.*whole number of rows"):
+        run.train(trainer, micro_batch=bad)
+    with pytest.raises(ValueError, match="oom_recovery=True"):
+        run.train(trainer, micro_batch=8, oom_recovery=False)
+    assert trainer.state.global_step == 0
+    run.train(trainer, micro_batch=4)  # the run is still open for the corrected call
+    assert trainer.state.global_step == 2
 
 
 def test_a_resumed_run_starts_with_the_learned_micro_batch(drive, local):
