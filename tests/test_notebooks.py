@@ -147,6 +147,26 @@ def test_rna_notebook_killed_after_a_durable_checkpoint_resumes_and_finishes(tmp
 
 
 @pytest.mark.slow
+def test_rna_notebook_pretrains_the_scratch_model_in_its_own_run_then_fine_tunes(tmp_path):
+    from colab_kit.manifest import verify_folder
+
+    proc = run_notebook(RNA, tmp_path, ("PRETRAIN_EPOCHS", "1"), ("EPOCHS", "2"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    pretrain_dir, run_dir = tmp_path / "drive" / "rna-bert-mlm", tmp_path / "drive" / "rna-bert"
+    assert verify_folder(pretrain_dir / "final") is None
+    assert json.loads((pretrain_dir / "final" / "metrics.json").read_text())["epochs"] == 1
+    assert [e["event"] for e in events(pretrain_dir)][-2:] == ["finish", "final"]
+    assert json.loads((run_dir / "metrics.json").read_text())["steps"] == 58  # 2 epochs of 900 // 32 + 1 steps
+
+
+@pytest.mark.slow
+def test_rna_notebook_refuses_pretraining_a_pretrained_model(tmp_path):
+    proc = run_notebook(RNA, tmp_path, ("PRETRAIN_EPOCHS", "2"), ("MODEL", "'multimolecule/rnafm'"))
+    assert proc.returncode == 1
+    assert "PRETRAIN_EPOCHS is for the from-scratch models" in proc.stderr and "PRETRAIN_EPOCHS = 0" in proc.stderr
+
+
+@pytest.mark.slow
 def test_rna_notebook_stops_on_a_bad_file_with_its_message(tmp_path):
     bad = tmp_path / "train.fasta"
     bad.write_text("ACGUACGU\n>r1 x\nACGU\n")

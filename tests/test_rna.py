@@ -1,5 +1,7 @@
 """RNA data: reading, the clear errors for each bad input, cleaning, tokens, lengths, overlap, metrics."""
 
+import json
+
 import pytest
 
 from colab_kit.rna import (Records, RnaDataError, check_test_labels, choose_max_length, classification_metrics,
@@ -118,3 +120,38 @@ def test_length_label_association_tells_when_length_grouping_would_sort_by_class
     assert length_label_association(by_length) > 0.95
     assert length_label_association(unrelated) == 0.0
     assert length_label_association(generate_rna_families(n_per_class=100, seed=1)) < 0.2
+
+
+def test_masked_lm_pretraining_gives_the_classifier_its_encoder_and_is_not_redone_on_rerun(drive, local):
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    import colab_kit as ck
+    from colab_kit.journal import read_events
+    from colab_kit.rna import pretrain_masked_lm, scratch_bert_config
+
+    records = clean_records(generate_rna_families(n_per_class=16, seed=3))[0]
+    tokenizer = nucleotide_tokenizer(model_max_length=128)
+    config = scratch_bert_config(len(tokenizer), 4, 128, size="tiny", layers=1)
+
+    def pretrain():
+        run = ck.start_run("mlm", drive=drive, local_dir=local, save_every=None, quiet=True, gauges=False)
+        return run, pretrain_masked_lm(run, config, tokenizer, records, 128, epochs=2, batch_size=16, micro_batch=4)
+
+    run, folder = pretrain()
+    assert folder == run.drive_dir / "final" and (folder / "model.safetensors").is_file()
+    losses = json.loads((folder / "metrics.json").read_text())["masked_lm_loss"]
+    assert len(losses) == 8 and losses[-1] < losses[0] - 0.5  # it learned something in its 8 steps
+    first = AutoModelForSequenceClassification.from_pretrained(str(folder), config=config)
+    encoder = {k: v.clone() for k, v in first.model.state_dict().items()}
+    fresh = AutoModelForSequenceClassification.from_config(config)
+    assert any(not torch.equal(v, fresh.model.state_dict()[k]) for k, v in encoder.items())  # learned, not fresh
+
+    run, folder = pretrain()  # "Run all" again: the finished pre-training is reloaded, not redone
+    events = [e["event"] for e in read_events(run.drive_dir / "events.jsonl")]
+    assert events.count("complete") == 1
+    again = AutoModelForSequenceClassification.from_pretrained(str(folder), config=config)
+    assert all(torch.equal(v, again.model.state_dict()[k]) for k, v in encoder.items())
+
+    with pytest.raises(ValueError, match="epochs=0"):
+        pretrain_masked_lm(run, config, tokenizer, records, 128, epochs=0)
