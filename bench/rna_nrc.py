@@ -102,12 +102,7 @@ def scratch_model(train, val, test, labels, args, workdir: Path):
     output = trainer.predict(data["test"])
     order = [labels[int(i)] for i in output.label_ids]  # predict may return rows in its own order
     predicted = [labels[int(i)] for i in output.predictions.argmax(-1)]
-    return order, predicted, seconds, curve, sum(p.numel() for p in model.parameters())
-
-
-def config_name(args) -> str:
-    hidden, depth = {"small": (256, 4), "tiny": (128, 2)}[args.size]
-    return f"{args.layers or depth}x{hidden}"
+    return order, predicted, seconds, curve, model
 
 
 def main() -> int:
@@ -148,11 +143,13 @@ def main() -> int:
         predicted, c = kmer_baseline(train, val, train_all, test, tfidf)
         score(name, predicted, time.perf_counter() - t0, f"C={c:g}, chosen on the validation split")
     with tempfile.TemporaryDirectory() as tmp:
-        order, predicted, seconds, curve, params = scratch_model(train, val, test, labels, args, Path(tmp))
+        order, predicted, seconds, curve, model = scratch_model(train, val, test, labels, args, Path(tmp))
     if order != test.labels:  # the de-duplication mask assumes the test set's order
         raise RuntimeError("the Trainer returned the test rows in another order; cannot de-duplicate")
     recipe = f"MLM {args.mlm_epochs} + {args.epochs} ep." if args.mlm_epochs else f"{args.epochs} ep."
-    score(f"from-scratch {config_name(args)} ({params / 1e6:.2f} M, {recipe})", predicted, seconds,
+    params = sum(p.numel() for p in model.parameters())
+    shape = f"{model.config.num_hidden_layers}x{model.config.hidden_size}"
+    score(f"from-scratch {shape} ({params / 1e6:.2f} M, {recipe})", predicted, seconds,
           f"validation accuracy per epoch: {curve}")
 
     print(f"nRC: {len(train)} training, {len(val)} validation, {len(test)} test sequences "
@@ -164,13 +161,13 @@ def main() -> int:
     for name, *_, note in rows:
         if note:
             print(f"\n{name}: {note}")
-    model = rows[2]
+    ours = rows[2]
     for name, full, dedup, *_ in rows[:2]:  # accuracy, macro-F1 and their de-duplicated versions
-        pairs = [(model[1]["accuracy"], full["accuracy"]), (model[1]["macro_f1"], full["macro_f1"]),
-                 (model[2]["accuracy"], dedup["accuracy"]), (model[2]["macro_f1"], dedup["macro_f1"])]
+        pairs = [(ours[1]["accuracy"], full["accuracy"]), (ours[1]["macro_f1"], full["macro_f1"]),
+                 (ours[2]["accuracy"], dedup["accuracy"]), (ours[2]["macro_f1"], dedup["macro_f1"])]
         wins = sum(m > b for m, b in pairs)
         print(f"\nfrom-scratch model vs {name}: higher on {wins} of 4 (accuracy, macro-F1, dedup accuracy, dedup "
-              f"macro-F1); accuracy {model[1]['accuracy']:.3f} vs {full['accuracy']:.3f}")
+              f"macro-F1); accuracy {ours[1]['accuracy']:.3f} vs {full['accuracy']:.3f}")
     print(f"wall time {time.perf_counter() - started:.0f} s")
     return 0
 

@@ -12,6 +12,11 @@ _DURATION_UNITS = {
 _DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-z]+)\s*$")
 
 
+def is_count(value) -> bool:
+    """A whole number >= 1 (bool is an int in Python, but True is not a count)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
 def parse_duration(text: str) -> float:
     """Parse "90s", "10min", "1.5h" into seconds.
 

@@ -17,6 +17,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ._units import is_count
 from .errors import ColabKitError
 
 __all__ = ["RnaDataError", "Records", "CleaningReport", "read_sequences", "clean_records", "check_test_labels",
@@ -424,7 +425,7 @@ def scratch_bert_config(vocab_size: int, num_labels: int, max_length: int, size:
 
     if size not in ("small", "tiny"):
         raise ValueError(f"size={size!r}: use 'small' (4 x 256) or 'tiny' (2 x 128)")
-    if layers is not None and (isinstance(layers, bool) or not isinstance(layers, int) or layers < 1):
+    if layers is not None and not is_count(layers):
         raise ValueError(f"layers={layers!r}: give a whole number of layers >= 1, or None for the size's own")
     hidden, depth = {"small": (256, 4), "tiny": (128, 2)}[size]
     return ModernBertConfig(vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=layers or depth,
@@ -455,7 +456,7 @@ def pretrain_masked_lm(run, config, tokenizer, records: Records, max_length: int
 
     from .recipes import memory_args
 
-    if not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 1:
+    if not is_count(epochs):
         raise ValueError(f"epochs={epochs!r}: give a whole number of pre-training epochs >= 1")
     sequences = to_dataset(records, tokenizer, max_length, {label: 0 for label in set(records.labels)})
     sequences = sequences.remove_columns(["label"])

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from . import storage
 from ._notices import Notices
-from ._units import format_age, format_bytes, parse_duration
+from ._units import format_age, format_bytes, is_count, parse_duration
 from .checkpoint import ARCHIVE, CHECKPOINTS, FINAL, KIT_STATE, Found, find_latest, list_checkpoints
 from .drive import flush_hint, remount_drive, resolve_root
 from .errors import ColabKitError, DriveError
@@ -386,7 +386,7 @@ def start_run(name: str, *, drive: str | os.PathLike | None = None, local_dir: s
     if not isinstance(name, str) or not _NAME_OK.match(name):
         raise ValueError(f"run name {name!r}: use letters, digits, '.', '_' and '-' (it becomes a "
                          f"folder name), for example ck.start_run('rna-bert')")
-    if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
+    if not is_count(keep):
         raise ValueError(f"keep={keep!r}: keep at least 1 checkpoint on Drive")
     save_every_s, save_every_steps = _parse_save_every(save_every)
 

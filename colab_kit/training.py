@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from ._units import is_count
 from .checkpoint import ARCHIVE
 from .errors import ResumeMismatchError
 from .recipes import make_length_grouping_resumable
@@ -27,8 +28,7 @@ def train(run, trainer, *, oom_recovery: bool = True, grow_back_after: int | Non
     from .oom import OutOfMemoryError, is_fatal_cuda_error, is_oom_error
 
     # Refused before anything changes: the run stays open for a corrected call.
-    if micro_batch is not None and (isinstance(micro_batch, bool) or not isinstance(micro_batch, int)
-                                    or micro_batch < 1):
+    if micro_batch is not None and not is_count(micro_batch):
         raise ValueError(f"micro_batch={micro_batch!r}: give a whole number of rows >= 1, or None "
                          f"(the whole effective batch at once)")
     if micro_batch is not None and not oom_recovery:
