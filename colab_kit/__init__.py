@@ -16,7 +16,9 @@ from .preflight import preflight
 from .oom import MicroBatcher, OutOfMemoryError, free_memory, is_oom_error
 from .oom import configure_allocator as _configure_allocator
 from .recipes import memory_args
-from .run import Run, start_run
+from .run import Run
+from .start import start_run
+from .drivecheck import drive_check
 from .runtime import detect_runtime, in_colab, in_notebook
 from .store import CheckpointStore
 
@@ -29,6 +31,7 @@ __all__ = [
     "start_run",
     "Run",
     "CheckpointStore",
+    "drive_check",
     "is_oom_error",
     "free_memory",
     "MicroBatcher",

@@ -32,3 +32,30 @@ class Notices:
         for message in messages:
             print(f"colab_kit warning: {message}", file=sys.stderr, flush=True)
         return len(messages)
+
+
+class Countdown:
+    """One status line that a long wait updates: in place in a notebook (a display handle),
+    a line every `every` seconds on stderr elsewhere. Main thread only."""
+
+    def __init__(self, every: float = 10.0):
+        from .runtime import in_notebook
+
+        self._handle = None
+        self._notebook = in_notebook()
+        self._every = every
+        self._last = float("-inf")
+
+    def show(self, text: str) -> None:
+        import time
+
+        if self._notebook:
+            from IPython.display import display
+
+            if self._handle is None:
+                self._handle = display({"text/plain": text}, raw=True, display_id=True)
+            else:
+                self._handle.update({"text/plain": text}, raw=True)
+        elif time.monotonic() - self._last >= self._every:
+            self._last = time.monotonic()
+            print(text, file=sys.stderr, flush=True)

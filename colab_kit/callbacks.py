@@ -2,24 +2,26 @@
 
 Both are thin: the Trainer keeps doing its own checkpointing into `output_dir` (local disk);
 these callbacks decide *when* and hand every checkpoint to the run's background uploader.
+A time-based interval stretches while Drive absorbs checkpoints more slowly than they are made,
+so that the newest one can be in the cloud before the next is due.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from pathlib import Path
 
 from transformers import TrainerCallback
 
-from . import storage
-from .checkpoint import KIT_STATE, checkpoint_dir
+from ._units import format_age, format_bytes
+from .checkpoint import checkpoint_dir
 from .sync import SNAPSHOTS, take_snapshot
 
 __all__ = ["SaveScheduleCallback", "DriveSyncCallback", "GaugesCallback"]
 
 log = logging.getLogger(__name__)
+STRETCH = 1.25  # a stretched interval leaves this much room over the expected upload time
 
 
 class SaveScheduleCallback(TrainerCallback):
@@ -33,6 +35,8 @@ class SaveScheduleCallback(TrainerCallback):
         self.run = run
         self._last_save_seconds = 0.0
         self._last_saved_step: int | None = None
+        self._journaled_interval: float | None = None
+        self._told = False
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.run.clock.start()
@@ -44,13 +48,55 @@ class SaveScheduleCallback(TrainerCallback):
         step = state.global_step
         due = bool(self.run.save_every_steps and step % self.run.save_every_steps == 0)
         if self.run.save_every_s is not None:
-            due |= self.run.clock.seconds - self._last_save_seconds >= self.run.save_every_s
+            due |= self.run.clock.seconds - self._last_save_seconds >= self.interval()
         due |= bool(state.max_steps) and step >= state.max_steps  # the final state is always kept
         if due and step != self._last_saved_step:
             control.should_save = True
         return control
 
+    def interval(self) -> float:
+        """The time-based interval in force: `save_every`, or longer while uploads are slower."""
+        asked = self.run.save_every_s
+        tracker = self.run.mirror.tracker
+        expected = tracker.expected_upload_s(tracker.last_bytes)
+        interval = max(asked, STRETCH * expected) if expected else asked
+        self.run.save_interval_s = interval
+        last = self._journaled_interval
+        if (last is None and interval > asked) or (last is not None and abs(interval - last) > 0.25 * last):
+            self._announce(interval, expected, stretched=interval > asked)
+        return interval
+
+    def _announce(self, interval: float, expected: float, *, stretched: bool) -> None:
+        tracker = self.run.mirror.tracker
+        self._journaled_interval = interval
+        self.run.journal.write("warn", what="save_interval", interval_s=round(interval, 1),
+                               asked_s=self.run.save_every_s, expected_upload_s=round(expected, 1),
+                               rate_bps=round(tracker.rate_bps or 0), checkpoint_bytes=tracker.last_bytes)
+        if stretched and not self._told:
+            self._told = True
+            self.run.notices.add(
+                f"Drive uploads ~{format_bytes(tracker.rate_bps)}/s; a {format_bytes(tracker.last_bytes)} "
+                f"checkpoint needs ~{format_age(expected)}; saving every {format_age(interval)} instead of "
+                f"every {format_age(self.run.save_every_s)}, so that each checkpoint can reach the cloud "
+                f"before the next one")
+
     def on_save(self, args, state, control, **kwargs):
+        since = self.run.clock.seconds - self._last_save_seconds
+        if self.run.save_every_steps and self._last_saved_step is not None and not self._told:
+            # A step-based interval is kept as given; say so once when Drive cannot keep up.
+            tracker = self.run.mirror.tracker
+            expected = tracker.expected_upload_s(tracker.last_bytes)
+            if expected and expected > since > 0:
+                self._told = True
+                self.run.journal.write("warn", what="save_interval", interval_s=round(since, 1),
+                                       asked_steps=self.run.save_every_steps, expected_upload_s=round(expected, 1),
+                                       rate_bps=round(tracker.rate_bps or 0), checkpoint_bytes=tracker.last_bytes)
+                self.run.notices.add(
+                    f"Drive uploads ~{format_bytes(tracker.rate_bps)}/s; a {format_bytes(tracker.last_bytes)} "
+                    f"checkpoint needs ~{format_age(expected)}, but saves come every {format_age(since)} "
+                    f"({self.run.save_every_steps} steps): newer checkpoints replace ones still waiting "
+                    f"for Drive. A duration such as save_every=\"{max(1, round(STRETCH * expected / 60))}min\" "
+                    f"stretches by itself")
         self._last_save_seconds = self.run.clock.seconds
         self._last_saved_step = state.global_step
 
@@ -77,10 +123,8 @@ class DriveSyncCallback(TrainerCallback):
         if not folder.is_dir():
             self.run.notices.add(f"the Trainer reported a save at step {step} but {folder} does not exist")
             return
-        kit_state = {"step": step, "train_seconds": round(self.run.clock.seconds, 3),
-                     "time": time.time()}
-        storage.atomic_write_bytes(folder / KIT_STATE, json.dumps(kit_state).encode())
-        snapshot = take_snapshot(folder, self.run.local_dir / SNAPSHOTS, step, self.run.fingerprint)
+        kit_state = {"step": step, "train_seconds": round(self.run.clock.seconds, 3), "time": time.time()}
+        snapshot = take_snapshot(folder, self.run.local_dir / SNAPSHOTS, step, self.run.fingerprint, kit_state)
         self.run.mirror.submit(snapshot)
         self.run.last_saved_step = step
         pause = time.perf_counter() - started
@@ -99,7 +143,7 @@ class GaugesCallback(TrainerCallback):
         run = self.run
         batching = run.micro_batching
         backoffs = len(batching.train.backoffs) + len(batching.eval.backoffs) if batching is not None else 0
-        return {"saved_step": run.last_saved_step, "durable_step": run.mirror.durable_step,
+        return {"saved_step": run.last_saved_step, "cloud": run.mirror.tracker.describe(),
                 "oom_backoffs": backoffs, "micro_batch": batching.train.micro_batch if batching else None}
 
     def on_train_begin(self, args, state, control, **kwargs):

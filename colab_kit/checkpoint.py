@@ -25,12 +25,12 @@ from . import storage
 from .manifest import MANIFEST, Manifest, read_manifest, verify_folder, write_manifest
 
 __all__ = ["CHECKPOINTS", "ARCHIVE", "FINAL", "KIT_STATE", "Found", "checkpoint_dir", "list_checkpoints",
-           "find_latest", "fetch_checkpoint", "publish_folder", "prune_checkpoints", "model_signature"]
+           "find_latest", "fetch_checkpoint", "publish_folder", "prunable", "model_signature"]
 
 CHECKPOINTS = "checkpoints"
 ARCHIVE = "archive"  # checkpoints moved aside by start_run(resume=False)
 FINAL = "final"  # the exported model
-KIT_STATE = "colab_kit_state.json"
+KIT_STATE = "colab_kit_state.json"  # before 0.2 the training clock had its own file
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 log = logging.getLogger(__name__)
 
@@ -162,37 +162,22 @@ def find_latest(places: Iterable[tuple[str, Path]], local_root: Path,
     return None
 
 
-def _invalidate_and_remove(path: Path) -> None:
-    # Manifest first: a kill halfway through leaves an invalid folder, never a "valid" one
-    # with missing files.
-    manifest = path / MANIFEST
-    if manifest.exists():
-        manifest.unlink()
-    storage.remove_tree(path)
+def prunable(steps: Iterable[int], valid: set[int], safe: set[int], keep: int,
+             protect: set[int] = frozenset()) -> list[int]:
+    """The checkpoints to delete, given which are valid and which are safe (in the cloud).
 
-
-def prune_checkpoints(root: str | Path, keep: int, newest_valid: int) -> list[int]:
-    """Delete old checkpoints once `newest_valid` is confirmed; returns the deleted steps.
-
-    Keeps `newest_valid` and the `keep - 1` newest valid ones below it (so at least one valid
-    checkpoint always remains), deletes older and invalid ones, and leaves alone any *valid*
-    folder above `newest_valid` (not ours to judge).
+    Keeps the `keep` newest safe checkpoints (so at least one always remains), anything newer than
+    the newest safe one that is still valid (it may be on its way to the cloud) and `protect`;
+    deletes everything else. With no safe checkpoint nothing is deleted: a deletion reaches the
+    cloud before a large pending upload does, so pruning on anything less can leave no checkpoint
+    in the cloud at all.
     """
-    kept_older = 0
-    removed = []
-    for step, path in list_checkpoints(root):
-        if step == newest_valid:
-            continue
-        valid = verify_folder(path, hashes=False) is None
-        if step > newest_valid:
-            if valid:
-                continue
-        elif valid and kept_older < keep - 1:
-            kept_older += 1
-            continue
-        _invalidate_and_remove(path)
-        removed.append(step)
-    return sorted(removed)
+    ranked = sorted(safe & valid, reverse=True)
+    if not ranked:
+        return []
+    kept = set(ranked[:keep]) | set(protect)
+    newest = ranked[0]
+    return sorted(s for s in steps if s not in kept and (s < newest or s not in valid))
 
 
 def model_signature(model) -> dict:

@@ -2,6 +2,7 @@
 
     python -m colab_kit run notebooks/rna_bert_classification.ipynb -p PRESET quick
     python -m colab_kit status drive/rna-bert
+    python -m colab_kit drive-check /content/drive/MyDrive
     python -m colab_kit demo
 """
 
@@ -55,12 +56,33 @@ def run_notebook(notebook: str, parameters: dict, output: str | None, timeout: i
     return 0
 
 
+def _cloud_state(folder: Path, manifest, kind: str) -> tuple[str, int]:
+    """("in the cloud" | "uploading: ..." | ..., bytes not yet in the cloud) of a valid folder."""
+    from .cloud import upload_for
+    from .drivefs import DRIVEFS, UNCONFIRMED, in_cloud
+
+    if kind == UNCONFIRMED:
+        return "written, upload not confirmed", manifest.total_bytes
+    try:
+        done, pending = in_cloud(folder, upload_for(folder, manifest, folder.name).files, kind)
+    except OSError as exc:
+        return f"upload state unreadable ({exc.strerror})", 0
+    if kind != DRIVEFS:
+        return "", 0
+    return ("in the cloud", 0) if done else (f"uploading: {format_bytes(pending)} not yet in the cloud", pending)
+
+
 def show_status(run_dir: str, events: int, quick: bool) -> int:
+    from .checkpoint import FINAL
+    from .drivefs import DRIVEFS, describe_kind, folder_kind
+
     root = Path(run_dir)
     if not root.is_dir():
         print(f"no run folder at {root} (a run folder holds checkpoints/ and events.jsonl)", file=sys.stderr)
         return 2
     print(f"run folder: {root.absolute()}")
+    kind = folder_kind(root)
+    print(f"durability: {describe_kind(kind)}")
     lease = read_lease(root)
     if lease is None:
         print("lease: none (no runtime is writing this run)")
@@ -70,24 +92,40 @@ def show_status(run_dir: str, events: int, quick: bool) -> int:
         print(f"lease: host {lease.host}, pid {lease.pid}, heartbeat "
               f"{format_age(time.time() - lease.heartbeat)} ago ({state})")
     checkpoints = list_checkpoints(root / CHECKPOINTS)
+    if (root / FINAL).is_dir():
+        checkpoints.append((None, root / FINAL))
     print(f"checkpoints ({'sizes checked' if quick else 'sha256 verified'}):" if checkpoints
           else "checkpoints: none")
-    newest_valid = None
+    newest_valid = newest_cloud = None
+    pending = 0
     for step, path in checkpoints:
         problem = verify_folder(path, hashes=not quick)
+        cloud = ""
         try:
             manifest = read_manifest(path)
             detail = f"{format_bytes(manifest.total_bytes):>10}  saved {format_age(time.time() - manifest.created)} ago"
+            if problem is None:
+                cloud, waiting = _cloud_state(path, manifest, kind)
+                pending += waiting
+                if step is not None and newest_cloud is None and cloud == "in the cloud":
+                    newest_cloud = (step, manifest.created)
         except ValueError:
             detail = f"{'':>10}  {'':<16}"
         verdict = "valid" if problem is None else f"INVALID: {problem}"
-        if problem is None and newest_valid is None:
+        if problem is None and newest_valid is None and step is not None:
             newest_valid = step
-        print(f"  {path.name:<20} {detail}  {verdict}")
+        print(f"  {path.name:<20} {detail}  {verdict}" + (f", {cloud}" if cloud else ""))
     if checkpoints:
         print(f"resume would use: checkpoint-{newest_valid}" if newest_valid is not None
               else "resume would start fresh: no checkpoint verifies")
     journal = read_events(root / EVENTS)
+    if kind == DRIVEFS:
+        print(f"newest in the cloud: checkpoint-{newest_cloud[0]}, saved {format_age(time.time() - newest_cloud[1])} ago"
+              if newest_cloud else "newest in the cloud: none")
+        rates = [e["rate_bps"] for e in journal if e["event"] == "cloud" and e.get("rate_bps")]
+        if pending:
+            eta = f", ~{format_age(pending / rates[-1])} at the last measured {format_bytes(rates[-1])}/s" if rates else ""
+            print(f"pending upload: {format_bytes(pending)}{eta}")
     if journal:
         print(f"last {min(events, len(journal))} of {len(journal)} events:")
         for event in journal[-events:]:
@@ -111,6 +149,12 @@ def main(argv: list[str] | None = None) -> int:
     p_status.add_argument("run_dir")
     p_status.add_argument("-n", "--events", type=int, default=10, help="how many recent events to show")
     p_status.add_argument("--quick", action="store_true", help="check sizes only, skip sha256")
+    p_check = sub.add_parser("drive-check", help="measure what Drive reports about uploads (prints JSON)")
+    p_check.add_argument("folder", nargs="?", default=None,
+                         help="a folder on the Drive mount (default: the kit's folder, MyDrive/colab_kit in Colab)")
+    p_check.add_argument("--size-mb", type=float, default=100, help="size of the test file (default 100)")
+    p_check.add_argument("--interval", type=float, default=1.0, help="seconds between attribute reads")
+    p_check.add_argument("--timeout", type=float, default=900, help="seconds to wait for the upload")
     sub.add_parser("demo", help="a tiny training run through the kit (CPU, under a minute); "
                                "`demo --help` lists its options", add_help=False)
     args, extra = parser.parse_known_args(argv)
@@ -121,6 +165,11 @@ def main(argv: list[str] | None = None) -> int:
         return run_notebook(args.notebook, params, args.output, args.timeout)
     if args.command == "status":
         return show_status(args.run_dir, args.events, args.quick)
+    if args.command == "drive-check":
+        from .drivecheck import drive_check
+
+        drive_check(args.folder, size_mb=args.size_mb, interval=args.interval, timeout=args.timeout)
+        return 0
     from .demo import main as demo_main
 
     return demo_main(extra)

@@ -18,11 +18,13 @@ VOCAB = 32
 MOTIF = (7, 8, 9)
 
 
-def tiny_bert_config(num_labels: int = 2, dropout: float = 0.1, hidden: int = 32, layers: int = 2):
-    """A BERT small enough to train in seconds on a CPU."""
+def tiny_bert_config(num_labels: int = 2, dropout: float = 0.1, hidden: int = 32, layers: int = 2,
+                     vocab_size: int = VOCAB):
+    """A BERT small enough to train in seconds on a CPU (a larger `vocab_size` makes checkpoints
+    heavier without making steps slower: the extra embedding rows are never looked up)."""
     from transformers import BertConfig
 
-    return BertConfig(vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=layers,
+    return BertConfig(vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=layers,
                       num_attention_heads=2, intermediate_size=2 * hidden, max_position_embeddings=64,
                       num_labels=num_labels, hidden_dropout_prob=dropout,
                       attention_probs_dropout_prob=dropout, pad_token_id=0)
@@ -46,13 +48,13 @@ def toy_classification(n: int = 512, length: int = 24, seed: int = 0):
 
 
 def tiny_trainer(run, *, max_steps: int = 60, batch_size: int = 16, dropout: float = 0.1,
-                 seed: int = 0, train_dataset=None, callbacks=None, **training_args):
+                 seed: int = 0, train_dataset=None, callbacks=None, vocab_size: int = VOCAB, **training_args):
     """A Trainer for the tiny BERT that writes to `run.local_dir`."""
     import torch
     from transformers import BertForSequenceClassification, Trainer, TrainingArguments
 
     torch.manual_seed(seed)
-    model = BertForSequenceClassification(tiny_bert_config(dropout=dropout))
+    model = BertForSequenceClassification(tiny_bert_config(dropout=dropout, vocab_size=vocab_size))
     defaults = dict(max_steps=max_steps, per_device_train_batch_size=batch_size, learning_rate=3e-3,
                     save_strategy="no", logging_steps=10, report_to=[], use_cpu=True,
                     disable_tqdm=True, seed=seed)

@@ -15,7 +15,8 @@ from pathlib import Path
 from .errors import DriveError
 from .runtime import in_colab
 
-__all__ = ["ENV_DRIVE", "COLAB_MOUNT", "resolve_root", "mount_drive", "remount_drive", "flush_hint"]
+__all__ = ["ENV_DRIVE", "COLAB_MOUNT", "resolve_root", "mount_drive", "remount_drive", "flush_and_unmount",
+           "flush_hint"]
 
 ENV_DRIVE = "COLAB_KIT_DRIVE"
 COLAB_MOUNT = "/content/drive"
@@ -84,6 +85,20 @@ def remount_drive(mountpoint: str | None = None) -> None:
     _drive_module().mount(mountpoint or COLAB_MOUNT, force_remount=True)
 
 
+def flush_and_unmount() -> None:
+    """Colab's only flush: push Drive's cache to the cloud, then unmount (main thread only).
+
+    Raises:
+        DriveError: Colab reported a failure (colabtools raises ValueError('flush_and_unmount failed')).
+    """
+    try:
+        _drive_module().flush_and_unmount()
+    except Exception as exc:
+        raise DriveError(f"drive.flush_and_unmount() failed: {exc}. Files may still be in Drive's cache on "
+                         f"this VM; keep the runtime connected, mount Drive again and check with "
+                         f"`python -m colab_kit status <run folder>`") from exc
+
+
 def resolve_root(drive: str | os.PathLike | None = None) -> tuple[Path, bool]:
     """The root folder that holds run folders, and whether it is a mounted Google Drive."""
     if drive is not None:
@@ -97,6 +112,6 @@ def resolve_root(drive: str | os.PathLike | None = None) -> tuple[Path, bool]:
 
 def flush_hint() -> str:
     """What to tell a Colab user about Drive's own upload cache."""
-    return ("Files written to /content/drive are uploaded to the cloud by Drive in the background; "
-            "before you close this runtime on purpose, run `from google.colab import drive; "
-            "drive.flush_and_unmount()` to push them (it also unmounts Drive).")
+    return ("files written to /content/drive reach the cloud when Drive uploads them in the background; "
+            "before you close this runtime on purpose, run run.finish(flush=True) (or `from google.colab "
+            "import drive; drive.flush_and_unmount()`) to push them; it also unmounts Drive.")

@@ -250,10 +250,10 @@ class Gauges:
                 parts.append(f"ETA {format_age((self.total_steps - self.step) / rate)}")
         if self.loss is not None:
             parts.append(f"loss {self.loss:.4g}")
-        saved, durable = self.status.get("saved_step"), self.status.get("durable_step")
-        if saved is not None:
-            parts.append(f"checkpoint {saved} " + ("on Drive" if durable == saved else
-                                                   f"local (Drive has {durable})" if durable else "local only"))
+        if self.status.get("saved_step") is not None:
+            parts.append(f"checkpoint {self.status['saved_step']} saved")
+        if self.status.get("cloud"):
+            parts.append(self.status["cloud"])  # what is in the cloud, what is pending (cloud.py)
         if self.status.get("oom_backoffs"):
             parts.append(f"OOM back-offs {self.status['oom_backoffs']} (micro-batch {self.status.get('micro_batch')})")
         return " · ".join(parts)

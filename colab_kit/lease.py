@@ -4,6 +4,11 @@ Two runtimes writing the same run folder (two browser tabs, or a reconnect while
 runtime is still alive) would interleave checkpoints and prune each other's files. The
 lease makes the second one stop with a clear message. A lease is *stale*, and taken over at
 once, when its process is gone on this host or its heartbeat is older than a few intervals.
+
+After a disconnect Colab gives the user a *new* VM (another host name) within a minute or two,
+while the dead VM's lease still looks fresh. A live lease of another host is therefore watched
+for 1.5 of its heartbeat intervals: a heartbeat that does not advance belongs to a dead runtime
+and is taken over; one that advances is refused.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ __all__ = ["LEASE", "LeaseInfo", "Lease", "read_lease", "lease_staleness"]
 
 LEASE = "lease.json"
 STALE_AFTER_BEATS = 4
+WATCH_BEATS = 1.5  # how long a live lease of another host is watched before it counts as dead
 log = logging.getLogger(__name__)
 
 
@@ -107,26 +113,28 @@ class Lease:
                               pid_start=_process_start(os.getpid()), session=uuid.uuid4().hex,
                               started=time.time(), heartbeat=time.time(), heartbeat_s=self.heartbeat_s)
         self.lost = False
+        self.took_over_because: str | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def acquire(self, takeover: bool = False, run_name: str = "NAME") -> LeaseInfo | None:
+    def acquire(self, takeover: bool = False, run_name: str = "NAME",
+                on_watch: Callable[[LeaseInfo, float], None] | None = None) -> LeaseInfo | None:
         """Claim the folder; returns the lease that was replaced, if any.
+
+        A live lease of another host is watched first (see the module's docstring); `on_watch`
+        is called about once a second with that lease and the seconds left, for a countdown.
+        `self.took_over_because` then says why it was taken over.
 
         Raises:
             LeaseHeldError: a live lease from another process, unless `takeover`.
         """
+        self.took_over_because = None
         previous = read_lease(self.path)
         if previous is not None and previous.session != self.info.session and not takeover:
             same_process = previous.host == self.info.host and previous.pid == self.info.pid
             if not same_process and lease_staleness(previous) is None:
-                age = format_age(time.time() - previous.heartbeat)
-                wait = format_age(STALE_AFTER_BEATS * previous.heartbeat_s - (time.time() - previous.heartbeat))
-                raise LeaseHeldError(
-                    f"run folder {self.path.parent} is in use by another runtime (host {previous.host}, "
-                    f"pid {previous.pid}, last heartbeat {age} ago). Two writers would overwrite each "
-                    f"other's checkpoints. Stop the other runtime, or wait {wait} for its lease to go "
-                    f"stale, or take over now: ck.start_run({run_name!r}, takeover=True)")
+                if previous.host == self.info.host or not self._dead_while_watched(previous, on_watch):
+                    raise self._held(previous, run_name)
         self._write()
         # Drive has no exclusive create: read back so that of two simultaneous starters at
         # most one believes it holds the lease.
@@ -135,6 +143,35 @@ class Lease:
             raise LeaseHeldError(f"another runtime claimed {self.path.parent} at the same moment; "
                                  f"run ck.start_run({run_name!r}) again in a minute")
         return previous if previous is not None and previous.session != self.info.session else None
+
+    def _dead_while_watched(self, previous: LeaseInfo, on_watch) -> bool:
+        """Watch `previous` for WATCH_BEATS heartbeats: True when its heartbeat did not advance."""
+        window = WATCH_BEATS * previous.heartbeat_s
+        deadline = time.monotonic() + window
+        while (left := deadline - time.monotonic()) > 0:
+            if on_watch is not None:
+                on_watch(previous, left)
+            time.sleep(min(1.0, left, previous.heartbeat_s / 10))
+            current = read_lease(self.path)
+            if current is None or current.released:
+                break  # gone or released meanwhile: free
+            if current.session != previous.session or current.heartbeat != previous.heartbeat:
+                return False  # alive (or a third runtime claimed it)
+        self.took_over_because = f"its heartbeat did not advance in {format_age(window)}"
+        return True
+
+    def _held(self, previous: LeaseInfo, run_name: str) -> LeaseHeldError:
+        age = format_age(time.time() - previous.heartbeat)
+        if previous.host == self.info.host:
+            wait = format_age(STALE_AFTER_BEATS * previous.heartbeat_s - (time.time() - previous.heartbeat))
+            how = f"Stop the other runtime, or wait {wait} for its lease to go stale"
+        else:
+            how = ("Its heartbeat advanced while this runtime watched it, so it is alive. Stop it "
+                   "(in its tab: Runtime -> Disconnect and delete runtime)")
+        return LeaseHeldError(
+            f"run folder {self.path.parent} is in use by another runtime (host {previous.host}, "
+            f"pid {previous.pid}, last heartbeat {age} ago). Two writers would overwrite each "
+            f"other's checkpoints. {how}, or take over now: ck.start_run({run_name!r}, takeover=True)")
 
     def _write(self) -> None:
         self.info.heartbeat = time.time()
@@ -168,6 +205,14 @@ class Lease:
 
         self._thread = threading.Thread(target=loop, name="colab_kit-lease", daemon=True)
         self._thread.start()
+
+    def still_ours(self) -> bool:
+        """True while the lease file is this process's (released or not): nobody else writes the folder."""
+        try:
+            current = read_lease(self.path)
+        except OSError:
+            return False
+        return current is not None and current.session == self.info.session
 
     def release(self) -> None:
         """Stop the heartbeat and mark the lease released if it is still ours.

@@ -25,6 +25,7 @@ _FORMAT = 1
 class FileEntry:
     size: int
     sha256: str
+    md5: str = ""  # what Drive reports as the file's checksum (md5Checksum, user.drive.md5)
 
 
 @dataclass
@@ -36,6 +37,7 @@ class Manifest:
     fingerprint: dict = field(default_factory=dict)
     created: float = field(default_factory=time.time)
     kit_version: str = ""
+    kit_state: dict = field(default_factory=dict)  # the training clock (one file fewer to upload)
     format: int = _FORMAT
 
     @property
@@ -47,10 +49,11 @@ class Manifest:
 
     @classmethod
     def from_json(cls, obj: dict) -> "Manifest":
-        files = {name: FileEntry(int(e["size"]), str(e["sha256"])) for name, e in obj["files"].items()}
+        files = {name: FileEntry(int(e["size"]), str(e["sha256"]), str(e.get("md5", "")))
+                 for name, e in obj["files"].items()}
         return cls(step=int(obj["step"]), files=files, fingerprint=dict(obj.get("fingerprint") or {}),
                    created=float(obj.get("created", 0.0)), kit_version=str(obj.get("kit_version", "")),
-                   format=int(obj.get("format", _FORMAT)))
+                   kit_state=dict(obj.get("kit_state") or {}), format=int(obj.get("format", _FORMAT)))
 
 
 def _data_files(folder: Path) -> list[Path]:
@@ -60,9 +63,9 @@ def _data_files(folder: Path) -> list[Path]:
 
 
 def hash_folder(folder: str | Path) -> dict[str, FileEntry]:
-    """Size and sha256 of every data file in `folder` (relative POSIX names)."""
+    """Size, sha256 and md5 of every data file in `folder` (relative POSIX names)."""
     folder = Path(folder)
-    return {p.relative_to(folder).as_posix(): FileEntry(p.stat().st_size, storage.sha256_file(p))
+    return {p.relative_to(folder).as_posix(): FileEntry(p.stat().st_size, *storage.file_digests(p))
             for p in _data_files(folder)}
 
 

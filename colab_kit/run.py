@@ -1,50 +1,38 @@
-"""`start_run`: one call that makes a training run survive a Colab disconnect.
+"""`Run`: a training run whose checkpoints survive a Colab disconnect (made by `start_run`).
 
     run = ck.start_run("rna-bert", save_every="10min", keep=3)
     trainer = Trainer(..., args=TrainingArguments(output_dir=run.local_dir, ...))
-    run.train(trainer)          # resumes from Drive, mirrors checkpoints, finishes
-
-After a reconnect, "Runtime -> Run all" runs the same cells: `start_run` finds the newest
-checkpoint whose manifest verifies (on Drive or still on local disk), copies it to local disk
-and `run.train` continues from it.
+    run.train(trainer)          # resumes from Drive, mirrors checkpoints
+    run.finish()                # waits until the last checkpoint and final/ are in the cloud
 """
 
 from __future__ import annotations
 
-import atexit
 import json
 import logging
-import os
-import re
 import shutil
 import time
 import weakref
-from datetime import datetime, timezone
 from pathlib import Path
 
 from . import storage
-from ._notices import Notices
-from ._units import format_age, format_bytes, is_count, parse_duration
-from .checkpoint import ARCHIVE, CHECKPOINTS, FINAL, KIT_STATE, Found, find_latest, list_checkpoints
-from .drive import flush_hint, remount_drive, resolve_root
+from ._notices import Countdown, Notices
+from ._units import format_age, format_bytes
+from .checkpoint import FINAL
+from .cloud import upload_for
+from .drive import flush_hint, remount_drive
+from .drivefs import PLAIN, UNCONFIRMED
 from .errors import ColabKitError, DriveError
-from .journal import EVENTS, Journal
+from .journal import Journal
 from .lease import Lease, LeaseInfo
-from .runtime import RuntimeInfo, detect_runtime, in_colab
-from .sync import SNAPSHOTS, Mirror, take_snapshot
+from .runtime import RuntimeInfo
+from .sync import Mirror
 
-__all__ = ["Run", "start_run"]
+__all__ = ["Run"]
 
 log = logging.getLogger(__name__)
-_NAME_OK = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 _ACTIVE: dict[str, "weakref.ref[Run]"] = {}  # run folder -> the open Run of this process
 _REMOUNT_EVERY_S = 300.0
-
-
-def _default_local_dir(name: str) -> Path:
-    # In Colab /content is the fast VM disk (wiped on disconnect); elsewhere a folder beside
-    # ./drive, so a restart on the same machine can still resume from local checkpoints.
-    return Path("/content/colab_kit_local" if in_colab() else "scratch").absolute() / name
 
 
 class _TrainClock:
@@ -77,11 +65,18 @@ class Run:
         local_dir: fast local scratch where the Trainer writes (`output_dir`).
         resume_from: local path of the newest valid checkpoint, or None on a fresh run.
         runtime: what `start_run` detected (Colab, GPU, RAM limit).
+        durability: what "in the cloud" means for `drive_dir`: "drivefs" (DriveFS reports each
+            file's upload), "unconfirmed" (a Drive mount without those reports: nothing is ever
+            called in the cloud) or "plain" (a local or network folder: written is enough).
+        cloud_step, cloud_age_s: the newest checkpoint in the cloud and how long ago it was saved.
+        pending_bytes, pending_eta_s: what is written but not yet in the cloud, and the time left
+            at the measured upload rate (None while unknown).
     """
 
     def __init__(self, name: str, drive_dir: Path, local_dir: Path, *, on_drive: bool,
                  save_every_s: float | None, save_every_steps: int | None, keep: int,
-                 runtime: RuntimeInfo, lease: Lease, journal: Journal, notices: Notices, gauges: bool = True):
+                 runtime: RuntimeInfo, lease: Lease, journal: Journal, notices: Notices, gauges: bool = True,
+                 kind: str = PLAIN, prune_after: str = "cloud"):
         from . import __version__
 
         self.name = name
@@ -99,11 +94,12 @@ class Run:
         self.resume_manifest = None
         self.resume_state: dict = {}
         self.clock = _TrainClock()
-        self.mirror = Mirror(drive_dir, keep=keep, journal=journal, notices=notices,
-                             kit_version=__version__, on_disconnected=self._want_remount)
+        self.mirror = Mirror(drive_dir, keep=keep, journal=journal, notices=notices, kit_version=__version__,
+                             on_disconnected=self._want_remount, kind=kind, prune_after=prune_after)
         self.fingerprint: dict | None = None
         self.show_gauges = gauges
         self.last_saved_step: int | None = None
+        self.save_interval_s = save_every_s  # the time-based interval in force (it may stretch)
         self.global_step: int | None = None  # where the last run.train ended
         self.micro_batching = None  # the TrainerMicroBatching of the last run.train
         self._callbacks: list | None = None
@@ -131,7 +127,9 @@ class Run:
         Adds any of `callbacks()` the trainer lacks (no duplicates), resumes from
         `resume_from` unless `resume_from_checkpoint` is given, runs each optimizer step's
         effective batch as micro-batches that halve on out-of-memory (same effective batch,
-        schedule and data order), and calls `finish()` at the end, also when training fails.
+        schedule and data order), and finishes the run at the end, also when training fails:
+        the last checkpoint is written to the persistent folder; waiting for it to reach the
+        cloud is left to the notebook's final `run.finish()`, so evaluation is not held up.
 
         Args:
             trainer: a `transformers.Trainer` whose `output_dir` is `run.local_dir`.
@@ -205,6 +203,7 @@ class Run:
         if metrics_json is not None:
             storage.atomic_write_bytes(self.drive_dir / "metrics.json", metrics_json)
         self.journal.write("final", path=str(target), bytes=manifest.total_bytes, files=len(manifest.files))
+        self.mirror.tracker.add(upload_for(target, manifest, "final"))  # run.finish() waits for it
         print(f"colab_kit: final model saved to {target} ({format_bytes(manifest.total_bytes)}, "
               f"{len(manifest.files)} files, verified)")
         return target
@@ -239,15 +238,39 @@ class Run:
         self.notices.add(reason + ". Checkpoints from now on stay local to this runtime.")
         self.journal.write("warn", what="lease_lost", holder=who)
 
+    # -- the cloud -----------------------------------------------------------------------------
+    @property
+    def durability(self) -> str:
+        return self.mirror.kind
+
+    @property
+    def cloud_step(self) -> int | None:
+        return self.mirror.tracker.summary()["cloud_step"]
+
+    @property
+    def cloud_age_s(self) -> float | None:
+        return self.mirror.tracker.summary()["cloud_age_s"]
+
+    @property
+    def pending_bytes(self) -> int:
+        return self.mirror.tracker.pending_bytes
+
+    @property
+    def pending_eta_s(self) -> float | None:
+        return self.mirror.tracker.eta_s()
+
     # -- end -----------------------------------------------------------------------------------
     def status(self) -> dict:
+        """Where the run stands: steps saved, written and in the cloud, what is pending, failures."""
         oom = self.micro_batching.summary() if self.micro_batching is not None else None
         return {
             "oom": oom,
             "name": self.name,
             "drive_dir": str(self.drive_dir),
-            "durable_step": self.mirror.durable_step,
-            "pending_steps": self.mirror.pending_steps,
+            "saved_step": self.last_saved_step,
+            "written_step": self.mirror.written_step,
+            "unwritten_steps": self.mirror.pending_steps,
+            **self.mirror.tracker.summary(),
             "sync_failures": self.mirror.total_failures,
             "unsynced_reason": self.mirror.unsynced_reason,
             "train_seconds": round(self.clock.seconds, 1),
@@ -260,22 +283,43 @@ class Run:
             if isinstance(cb, GaugesCallback):
                 cb.close(error=error)
 
-    def finish(self, timeout: float | None = 600, status: str = "finished") -> dict:
-        """Wait for pending uploads, record the finish, release the run folder; idempotent.
+    def finish(self, timeout: float | None = 300, status: str = "finished", flush: bool = False) -> dict:
+        """Wait until the last checkpoint and `final/` are in the cloud, then release the run folder.
 
-        When uploads cannot finish within `timeout` seconds (Drive down), says so and keeps the
-        uploader running: call `finish()` again to keep waiting.
+        Waits up to `timeout` seconds in all, with a countdown: first for checkpoints still being
+        written to the persistent folder, then for Drive to upload them. When the writing cannot
+        finish (Drive down) the run stays open: call `finish()` again to keep waiting. When what is
+        written is not in the cloud by then, the run still finishes (the upload is Drive's to do)
+        and says plainly what is not in the cloud; calling `finish()` again waits for it again.
+
+        Args:
+            timeout: seconds to wait in all (None: no limit).
+            status: recorded in the `finish` event.
+            flush: afterwards call Colab's `drive.flush_and_unmount()`, which pushes Drive's cache
+                to the cloud and UNMOUNTS Drive (Colab offers no flush that keeps it mounted).
+
+        Returns:
+            `status()` plus "status", "synced" (all written) and "in_cloud" (all confirmed).
         """
-        if self._finished:
-            print(f"colab_kit: run {self.name!r} is already finished (newest durable checkpoint: "
-                  f"step {self._summary.get('durable_step')}).")
-            return dict(self._summary)
+        return self._finish(timeout, status, flush=flush, cloud_wait=True)
+
+    def _finish(self, timeout: float | None, status: str, *, flush: bool = False, cloud_wait: bool = True) -> dict:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if self._finished:  # again: wait for what is still on its way to the cloud
+            in_cloud = self._wait_for_cloud(deadline)
+            if in_cloud and self.lease.still_ours():  # what reached the cloud since allows pruning
+                self.mirror.prune_now(deadline if deadline is not None else time.monotonic() + 60)
+            summary = self.status() | {k: self._summary[k] for k in ("status", "synced")} | {"in_cloud": in_cloud}
+            self._report(summary, again=True)
+            if flush:
+                self._flush()
+            return summary
         self.clock.stop()
         self._close_gauges(error=None if status in ("finished", "completed") else status)
         self.poll()
         drained = self.mirror.drain(timeout)
-        summary = self.status() | {"status": status, "synced": drained}
         if not drained and not self.mirror.paused:  # paused: another runtime owns the folder now
+            summary = self.status() | {"status": status, "synced": False, "in_cloud": False}
             self.notices.add(
                 f"NOT YET ON DRIVE: checkpoint(s) {self.mirror.pending_steps} are only on local disk "
                 f"({self.mirror.unsynced_reason or 'upload still running'}). Keep this runtime "
@@ -283,23 +327,96 @@ class Run:
             self.journal.write("warn", what="finish_unsynced", **summary)
             self.notices.show()
             return summary
+        if cloud_wait and not self.mirror.paused:
+            in_cloud = self._wait_for_cloud(deadline)
+        else:
+            self.mirror.tracker.poll(force=True)
+            in_cloud = self.mirror.tracker.all_in_cloud()
+        summary = self.status() | {"status": status, "synced": drained, "in_cloud": in_cloud}
+        if cloud_wait and not in_cloud and self.mirror.tracker.pending():
+            self.journal.write("warn", what="not_in_cloud", pending=summary["pending"],
+                               pending_bytes=summary["pending_bytes"], durability=self.durability)
         self.journal.write("finish", **summary)
         self.journal.flush()
+        self.mirror.finish_deletions(max(1.0, deadline - time.monotonic()) if deadline is not None else 60.0)
         self.mirror.close()
         self.lease.release()
         self._finished = True
         self._summary = summary
         _ACTIVE.pop(str(self.drive_dir), None)
         self.notices.show()
-        durable = self.mirror.durable_step
-        where = f"step {durable} is durable in {self.drive_dir}" if durable is not None else \
-            f"no checkpoint was saved in this session; folder {self.drive_dir}"
-        print(f"colab_kit: run {self.name!r} {status}; {where}.")
+        self._report(summary, waited=cloud_wait)
         if summary.get("oom"):
             print(f"colab_kit: {summary['oom']}.")
+        if flush:
+            self._flush()
+        return dict(summary)
+
+    def _wait_for_cloud(self, deadline: float | None) -> bool:
+        """Poll until everything written is in the cloud or `deadline` passes, with a countdown."""
+        tracker = self.mirror.tracker
+        countdown = None
+        while True:
+            tracker.poll()
+            if tracker.all_in_cloud() or tracker.kind == UNCONFIRMED:
+                return tracker.all_in_cloud()
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return False
+            countdown = countdown or Countdown()
+            eta, rate = tracker.eta_s(), tracker.rate_bps
+            labels = ", ".join(u.label + ("/" if u.step is None else "") for u in tracker.pending())
+            countdown.show(f"colab_kit: waiting for Drive to upload {format_bytes(tracker.pending_bytes)} ({labels})"
+                           + (f": ~{format_age(eta)} left at {format_bytes(rate)}/s" if eta and rate else "")
+                           + (f"; giving up in {format_age(left)}" if left is not None else ""))
+            time.sleep(min(1.0, left) if left is not None else 1.0)
+
+    def _report(self, summary: dict, *, waited: bool = True, again: bool = False) -> None:
+        """The one status line of finish(): what is in the cloud, and plainly what is not."""
+        tracker = self.mirror.tracker
+        newest, pending = tracker.newest_in_cloud(), tracker.pending()
+        labels = ", ".join(u.label + ("/" if u.step is None else "") for u in pending)
+        head = f"colab_kit: run {self.name!r} " + (f"is already finished ({summary['status']})" if again
+                                                   else summary["status"])
+        if self.durability == PLAIN:
+            saved = f"checkpoint-{newest.step} is" if newest else "no checkpoint is"
+            print(f"{head}; {saved} saved in {self.drive_dir} (a plain folder: safe once written and read back).")
+            return
+        if self.durability == UNCONFIRMED:
+            print(f"{head}; {labels or 'nothing'} written to Google Drive in {self.drive_dir}, but whether it is "
+                  f"in the cloud cannot be confirmed: DriveFS's upload attributes are missing on this mount. "
+                  f"Keep the runtime connected for a while, or call run.finish(flush=True) "
+                  f"(it pushes Drive's cache and unmounts Drive).")
+            return
+        where = (f"the newest checkpoint in the cloud is checkpoint-{newest.step} (saved "
+                 f"{format_age(time.time() - newest.saved)} ago)") if newest else "no checkpoint is in the cloud"
+        if not pending:
+            print(f"{head}; everything is in the cloud: {where}.")
+            return
+        eta, rate = tracker.eta_s(), tracker.rate_bps
+        left = f"; ~{format_age(eta)} left at {format_bytes(rate)}/s" if eta and rate else ""
+        if not waited and not again:  # the end of run.train: the notebook's run.finish() waits
+            print(f"{head}; {where}; uploading {labels} ({format_bytes(tracker.pending_bytes)}){left}. "
+                  f"run.finish() at the end waits for it.")
+            return
+        print(f"{head}. NOT YET IN THE CLOUD: {labels} ({format_bytes(tracker.pending_bytes)}) is written to "
+              f"Drive's cache on this VM only, and is lost if the runtime is recycled now{left}; {where}. "
+              f"Keep this runtime connected and call run.finish() again to wait, or "
+              f"run.finish(flush=True) to push it (this unmounts Drive).")
         if self.on_drive:
             print("colab_kit: " + flush_hint())
-        return dict(summary)
+
+    def _flush(self) -> None:
+        from .drive import flush_and_unmount
+
+        if not self.on_drive:
+            print(f"colab_kit: flush=True pushes Google Drive's cache in Colab; {self.drive_dir} is not on "
+                  f"Colab's Drive mount, so there is nothing to flush.")
+            return
+        self.journal.write("flush", what="drive.flush_and_unmount")
+        flush_and_unmount()
+        print("colab_kit: Drive's cache was pushed to the cloud and Google Drive is now UNMOUNTED "
+              "(drive.flush_and_unmount()). ck.start_run(...) mounts it again.")
 
     def _require_open(self, what: str) -> None:
         if self._finished:
@@ -316,179 +433,3 @@ class Run:
         return f"Run({self.name!r}, drive_dir={str(self.drive_dir)!r}, resume_from={self.resume_from})"
 
 
-def _parse_save_every(save_every) -> tuple[float | None, int | None]:
-    if save_every is None:
-        return None, None
-    if isinstance(save_every, bool):
-        raise ValueError("save_every must be a duration such as \"10min\" or an int number of steps")
-    if isinstance(save_every, int):
-        if save_every < 1:
-            raise ValueError(f"save_every={save_every}: the number of steps must be at least 1")
-        return None, save_every
-    if isinstance(save_every, float):
-        raise ValueError(f"save_every={save_every}: give an int number of steps, or a duration "
-                         f"string such as \"90s\", \"10min\" or \"1h\"")
-    return parse_duration(save_every), None
-
-
-def _clean_local(local_dir: Path) -> None:
-    # Leftovers of a killed process: snapshots whose upload never finished (the checkpoints
-    # themselves are still there), half-fetched and half-staged folders.
-    shutil.rmtree(local_dir / SNAPSHOTS, ignore_errors=True)
-    for entry in local_dir.glob(".fetch-*"):
-        shutil.rmtree(entry, ignore_errors=True)
-    for entry in local_dir.glob(".staging-*"):
-        shutil.rmtree(entry, ignore_errors=True)
-
-
-def _archive_checkpoints(drive_dir: Path, local_dir: Path) -> Path | None:
-    """Move old checkpoints aside for a fresh start (nothing is deleted from Drive)."""
-    moved = None
-    if list_checkpoints(drive_dir / CHECKPOINTS):
-        stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
-        moved = drive_dir / ARCHIVE / f"checkpoints-{stamp}"
-        storage.make_dirs(moved.parent)
-        os.replace(drive_dir / CHECKPOINTS, moved)
-    for _, path in list_checkpoints(local_dir):
-        shutil.rmtree(path, ignore_errors=True)
-    return moved
-
-
-def start_run(name: str, *, drive: str | os.PathLike | None = None, local_dir: str | os.PathLike | None = None,
-              save_every: str | int | None = "10min", keep: int = 3, resume: bool = True,
-              takeover: bool = False, gauges: bool = True, heartbeat_s: float = 30.0, quiet: bool = False) -> Run:
-    """Open (or reopen) a run whose checkpoints survive a runtime reset.
-
-    Args:
-        name: the run's name; its folder is `<root>/<name>/`.
-        drive: the root folder playing the role of `MyDrive/colab_kit` (default: Google Drive in
-            Colab, `$COLAB_KIT_DRIVE` when set, else `./drive`).
-        local_dir: fast local scratch for the Trainer's `output_dir` (default: under /content in
-            Colab, `./scratch/<name>` elsewhere).
-        save_every: a duration of training time ("90s", "10min", "1h") or an int number of
-            optimizer steps; None leaves saving to the Trainer's own `save_steps`. A final
-            checkpoint is always saved at the last step.
-        keep: checkpoints kept on the persistent folder.
-        resume: False starts fresh, moving existing checkpoints to `<drive_dir>/archive/`.
-        takeover: take the run folder over from another live runtime.
-        gauges: live GPU/RAM gauges while `run.train` runs (a summary stays, and is written to
-            `<drive_dir>/gauges.html`).
-        heartbeat_s: lease heartbeat interval (a lease is stale after 4 missed beats).
-        quiet: do not print the summary.
-
-    Returns:
-        The `Run`; `run.resume_from` is the checkpoint to continue from, or None.
-
-    Raises:
-        ValueError: bad arguments. DriveError: the persistent folder cannot be used.
-        LeaseHeldError: another live runtime is writing this run (see `takeover`).
-    """
-    if not isinstance(name, str) or not _NAME_OK.match(name):
-        raise ValueError(f"run name {name!r}: use letters, digits, '.', '_' and '-' (it becomes a "
-                         f"folder name), for example ck.start_run('rna-bert')")
-    if not is_count(keep):
-        raise ValueError(f"keep={keep!r}: keep at least 1 checkpoint on Drive")
-    save_every_s, save_every_steps = _parse_save_every(save_every)
-
-    runtime = detect_runtime()
-    root, on_drive = resolve_root(drive)
-    drive_dir = root / name
-    try:
-        storage.make_dirs(drive_dir / CHECKPOINTS)
-    except OSError as exc:
-        raise DriveError(f"cannot create the run folder {drive_dir}: {exc}. Check that the folder "
-                         f"is writable (and, on Drive, that it is not full), or pass drive='<another "
-                         f"folder>'") from exc
-    local = Path(local_dir).absolute() if local_dir is not None else _default_local_dir(name)
-    local.mkdir(parents=True, exist_ok=True)
-
-    previous = _ACTIVE.get(str(drive_dir))
-    if previous is not None and previous() is not None and not previous()._finished:
-        old = previous()
-        print(f"colab_kit: closing the earlier open run {name!r} of this kernel first")
-        old.finish(timeout=120, status="restarted")
-
-    lease = Lease(drive_dir, heartbeat_s=heartbeat_s)
-    try:
-        replaced = lease.acquire(takeover=takeover, run_name=name)
-    except OSError as exc:
-        raise DriveError(f"cannot write the lease file in {drive_dir}: {exc}. Check that the folder is "
-                         f"writable and not full, then run this cell again") from exc
-    notices = Notices()
-    journal = Journal(drive_dir / EVENTS, local_copy=local / EVENTS)
-    _clean_local(local)
-
-    archived = None if resume else _archive_checkpoints(drive_dir, local)
-    run = Run(name, drive_dir, local, on_drive=on_drive, save_every_s=save_every_s,
-              save_every_steps=save_every_steps, keep=keep, runtime=runtime, lease=lease,
-              journal=journal, notices=notices, gauges=gauges)
-
-    def skipped(path: Path, reason: str) -> None:
-        notices.add(f"skipping checkpoint {path}: {reason}")
-        journal.write("warn", what="invalid_checkpoint", path=str(path), reason=reason)
-
-    found: Found | None = None
-    if resume:
-        found = find_latest([("drive", drive_dir / CHECKPOINTS), ("local", local)], local, on_skip=skipped)
-    if found is not None:
-        run.resume_from, run.resume_manifest = found.path, found.manifest
-        try:
-            run.resume_state = json.loads((found.path / KIT_STATE).read_text())
-        except (OSError, ValueError):
-            run.resume_state = {}
-        run.clock = _TrainClock(run.resume_state.get("train_seconds", 0.0))
-        for step, path in list_checkpoints(local):
-            if step > found.step:  # unverifiable leftovers newer than what we resume from
-                shutil.rmtree(path, ignore_errors=True)
-        if found.origin == "drive":
-            run.mirror.durable_step = found.step
-        else:
-            # Found on local disk (a kernel restart on the same VM): its upload may never have
-            # finished, so queue it; the uploader skips it when Drive already has it.
-            run.mirror.submit(take_snapshot(found.path, local / SNAPSHOTS, found.step,
-                                            found.manifest.fingerprint))
-
-    journal.write("start", run=name, drive_dir=str(drive_dir), local_dir=str(local),
-                  host=lease.info.host, pid=lease.info.pid, colab=runtime.colab,
-                  gpu=runtime.gpu.name if runtime.gpu else None, ram_limit=runtime.ram_limit_bytes,
-                  save_every=save_every, keep=keep, took_over=replaced.host if replaced else None)
-    if archived is not None:
-        journal.write("archive", moved_to=str(archived))
-    if found is not None:
-        journal.write("resume", step=found.step, origin=found.origin, source=str(found.source),
-                      checkpoint_age_s=round(time.time() - found.manifest.created, 1),
-                      train_seconds=round(run.clock.seconds, 1))
-    lease.start_heartbeat(run._lease_lost)
-    _ACTIVE[str(drive_dir)] = weakref.ref(run)
-    atexit.register(_finish_at_exit, weakref.ref(run))
-
-    if not quiet:
-        lines = [f"colab_kit · run {name!r}", *("  " + line for line in runtime.describe().splitlines()),
-                 f"  persistent folder: {drive_dir}" + (" (Google Drive)" if on_drive else ""),
-                 f"  local folder: {local}"]
-        every = f"{save_every} of training" if save_every_s else (
-            f"{save_every_steps} steps" if save_every_steps else "the Trainer's save_steps")
-        lines.append(f"  saves: every {every} and at the end; {keep} kept on the persistent folder")
-        if replaced is not None:
-            lines.append(f"  took over the run folder from host {replaced.host}, pid {replaced.pid}")
-        if archived is not None:
-            lines.append(f"  fresh start: earlier checkpoints moved to {archived}")
-        if found is not None:
-            age = format_age(time.time() - found.manifest.created)
-            lines.append(f"  resume: checkpoint-{found.step} (step {found.step}, saved {age} ago, "
-                         f"{format_bytes(found.manifest.total_bytes)}, from "
-                         f"{'Drive' if found.origin == 'drive' else 'local disk'})")
-        else:
-            lines.append("  resume: no checkpoint found, starting fresh")
-        print("\n".join(lines))
-    notices.show()
-    return run
-
-
-def _finish_at_exit(ref: "weakref.ref[Run]") -> None:
-    run = ref()
-    if run is not None and not run._finished:
-        try:
-            run.finish(timeout=120, status="exit")
-        except Exception as exc:  # never let an exit handler raise
-            log.warning("colab_kit: finishing run at exit failed: %s", exc)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 __all__ = [
     "sha256_file",
+    "file_digests",
     "atomic_write_bytes",
     "atomic_write_json",
     "copy_file",
@@ -50,6 +51,16 @@ def sha256_file(path: str | os.PathLike) -> str:
         while chunk := fh.read(CHUNK):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def file_digests(path: str | os.PathLike) -> tuple[str, str]:
+    """(sha256, md5) of a file in one read: sha256 is the kit's check, md5 is what Drive reports."""
+    sha, md5 = hashlib.sha256(), hashlib.md5()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(CHUNK):
+            sha.update(chunk)
+            md5.update(chunk)
+    return sha.hexdigest(), md5.hexdigest()
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
@@ -131,7 +142,7 @@ def make_dirs(path: str | os.PathLike) -> None:
 
 
 def remove_tree(path: str | os.PathLike) -> None:
-    """Delete a folder; missing is fine. Deletion on Drive goes to the Trash (it still counts
-    against the quota until the Trash is emptied)."""
+    """Delete a folder; missing is fine. On Drive this fills the Trash: checkpoints are deleted
+    through `drivefs.TrashFreeDeleter` instead."""
     if os.path.isdir(path):
         shutil.rmtree(path)

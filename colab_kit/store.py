@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import time
 import shutil
 import tempfile
 import uuid
@@ -26,6 +27,7 @@ from pathlib import Path
 from . import storage
 from ._notices import Notices
 from .checkpoint import CHECKPOINTS, checkpoint_dir, find_latest, list_checkpoints, model_signature
+from .drivefs import UNCONFIRMED, folder_kind
 from .errors import CheckpointError, ResumeMismatchError
 from .journal import EVENTS, Journal
 from .sync import SNAPSHOTS, Mirror, take_snapshot
@@ -86,7 +88,8 @@ class CheckpointStore:
     Args:
         dir: the persistent folder (a Drive folder in Colab); checkpoints go to
             `dir/checkpoints/checkpoint-<step>/`, events to `dir/events.jsonl`.
-        keep: checkpoints kept on `dir` (older ones are deleted after a newer one is confirmed).
+        keep: checkpoints in the cloud kept on `dir` (older ones are deleted once a newer one is in
+            the cloud; on Google Drive that is when DriveFS reports it uploaded).
         local_dir: fast local scratch for staging; a temporary folder by default.
 
     Attributes:
@@ -108,8 +111,11 @@ class CheckpointStore:
         self._notices = _notices or Notices()
         self._journal = _journal or Journal(self.dir / EVENTS)
         self._owns_mirror = _mirror is None
-        self._mirror = _mirror or Mirror(self.dir, keep=self.keep, journal=self._journal,
-                                         notices=self._notices, kit_version=__version__)
+        if _mirror is None:
+            _mirror = Mirror(self.dir, keep=self.keep, journal=self._journal, notices=self._notices,
+                             kit_version=__version__, kind=folder_kind(self.dir))
+            _mirror.adopt_existing()
+        self._mirror = _mirror
         self.extra: dict = {}
         self._closed = False
 
@@ -205,10 +211,18 @@ class CheckpointStore:
 
     # -- lifecycle -----------------------------------------------------------------------------
     def wait(self, timeout: float | None = None) -> bool:
-        """Block until every saved checkpoint is durable in `dir`; False on timeout."""
+        """Block until every saved checkpoint is written to `dir` and in the cloud; False on timeout
+        (and always False on a Drive mount that cannot confirm uploads)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         done = self._mirror.drain(timeout)
+        tracker = self._mirror.tracker
+        while done and not tracker.all_in_cloud() and tracker.kind != UNCONFIRMED:
+            if deadline is not None and time.monotonic() >= deadline:
+                break
+            tracker.poll()
+            time.sleep(0.2)
         self._notices.show()
-        return done
+        return done and tracker.all_in_cloud()
 
     def close(self, timeout: float | None = 600) -> bool:
         """Wait for pending uploads (up to `timeout` seconds) and stop the worker; idempotent."""
@@ -216,8 +230,10 @@ class CheckpointStore:
             return True
         done = self.wait(timeout)
         if not done:
-            self._notices.add(f"checkpoint(s) {self._mirror.pending_steps} are not yet durable in "
-                              f"{self.dir}: {self._mirror.unsynced_reason or 'upload still running'}")
+            tracker = self._mirror.tracker
+            self._notices.add(f"not everything is in the cloud: {tracker.describe()}; not yet written to "
+                              f"{self.dir}: {self._mirror.pending_steps or 'none'} "
+                              f"({self._mirror.unsynced_reason or 'upload still running'})")
             self._notices.show()
         if self._owns_mirror:
             self._mirror.close()

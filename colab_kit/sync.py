@@ -6,9 +6,14 @@ worker then, for the newest snapshot only:
 
 1. hashes the snapshot (and leaves a MANIFEST.json beside the local checkpoint too),
 2. copies every data file to `<drive_dir>/checkpoints/checkpoint-<step>/`, reading each back
-   to verify size and sha256,
-3. writes MANIFEST.json last, atomically, and reads it back,
-4. only then prunes older checkpoints (never the newest valid one).
+   to verify size and sha256, and writes MANIFEST.json last, atomically (a `sync` event:
+   *written* to the persistent folder),
+3. follows the upload until the checkpoint is *in the cloud* (`cloud.CloudTracker`; a `cloud`
+   event), and only then starts the next snapshot: on Drive one checkpoint at a time is in
+   DriveFS's upload queue, and a newer snapshot replaces a queued older one instead of waiting
+   behind it,
+4. prunes older checkpoints only once a newer one is in the cloud (`checkpoint.prunable`),
+   deleting them the Trash-free way on Drive (`drivefs.TrashFreeDeleter`).
 
 Drive errors (ENOSPC, EIO, permissions, errno 107 "Transport endpoint is not connected") are
 retried with exponential backoff; they are reported, never raised into training.
@@ -28,8 +33,10 @@ from typing import Callable
 
 from . import storage
 from ._notices import Notices
-from ._units import format_bytes
-from .checkpoint import CHECKPOINTS, checkpoint_dir, prune_checkpoints, publish_folder
+from ._units import format_age, format_bytes
+from .checkpoint import CHECKPOINTS, checkpoint_dir, list_checkpoints, prunable, publish_folder
+from .cloud import CloudTracker, upload_for
+from .drivefs import DRIVEFS, PLAIN, UNCONFIRMED, TrashFreeDeleter
 from .journal import Journal
 from .manifest import MANIFEST, Manifest, hash_folder, read_manifest, verify_folder, write_manifest
 
@@ -37,6 +44,12 @@ __all__ = ["Snapshot", "Mirror", "take_snapshot"]
 
 log = logging.getLogger(__name__)
 SNAPSHOTS = ".snapshots"
+# Without DriveFS's attributes, a checkpoint written this long ago (plus 1 s per MB) is the one
+# kept back from pruning: an assumption, never reported as "in the cloud".
+UNCONFIRMED_SETTLE_S = 600.0
+# How long the next checkpoint waits for the previous one to reach the cloud before it goes anyway.
+GATE_MIN_S = 600.0
+_DELETE_POLL_S = 1.0
 
 
 @dataclass
@@ -49,6 +62,11 @@ class Snapshot:
     stamps: dict[str, tuple[int, int]] = field(default_factory=dict)  # name -> (size, mtime_ns)
     source: Path | None = None  # the folder it was taken from (gets a local MANIFEST too)
     taken: float = field(default_factory=time.time)
+    kit_state: dict = field(default_factory=dict)  # recorded in the manifest
+
+    @property
+    def bytes(self) -> int:
+        return sum(size for size, _ in self.stamps.values())
 
 
 def _stamp(path: Path) -> tuple[int, int]:
@@ -57,7 +75,7 @@ def _stamp(path: Path) -> tuple[int, int]:
 
 
 def take_snapshot(source: str | Path, snapshots_root: str | Path, step: int,
-                  fingerprint: dict | None = None) -> Snapshot:
+                  fingerprint: dict | None = None, kit_state: dict | None = None) -> Snapshot:
     """Hard-link (or copy) every file of `source` into `snapshots_root/checkpoint-<step>`.
 
     Hard links cost no time or space and survive the Trainer deleting `source`. They share
@@ -80,7 +98,7 @@ def take_snapshot(source: str | Path, snapshots_root: str | Path, step: int,
             shutil.copy2(path, dst)
         stamps[name] = _stamp(dst)
     return Snapshot(step=step, path=target, fingerprint=dict(fingerprint or {}), stamps=stamps,
-                    source=source)
+                    source=source, kit_state=dict(kit_state or {}))
 
 
 class Mirror:
@@ -88,16 +106,21 @@ class Mirror:
 
     Args:
         run_dir: the persistent run folder; checkpoints go to `run_dir/checkpoints/`.
-        keep: checkpoints to keep on the persistent folder (at least 1).
-        journal: where `sync` and `warn` events go.
+        keep: checkpoints in the cloud to keep (at least 1).
+        journal: where `sync`, `cloud`, `prune` and `warn` events go.
         notices: where messages for the user go.
         kit_version: recorded in each manifest.
         on_disconnected: called (from the worker) on errno 107, to ask for a Drive remount.
+        kind: what "in the cloud" means for `run_dir` (`drivefs.folder_kind`).
+        prune_after: "cloud" (the rule); "written" prunes once a newer manifest is written, the
+            rule before 0.2, kept so that the tests and `bench/work_at_risk.py` can show what it loses.
     """
 
     def __init__(self, run_dir: str | Path, *, keep: int, journal: Journal, notices: Notices,
                  kit_version: str = "", on_disconnected: Callable[[], None] | None = None,
-                 backoff: tuple[float, float] = (2.0, 120.0)):
+                 backoff: tuple[float, float] = (2.0, 120.0), kind: str = PLAIN, prune_after: str = "cloud"):
+        if prune_after not in ("cloud", "written"):
+            raise ValueError(f"prune_after={prune_after!r}: use 'cloud' or 'written'")
         self.run_dir = Path(run_dir)
         self.keep = max(1, int(keep))
         self.journal = journal
@@ -105,13 +128,24 @@ class Mirror:
         self.kit_version = kit_version
         self.on_disconnected = on_disconnected
         self.backoff = backoff
-        self.durable_step: int | None = None
-        self.durable_time: float | None = None
+        self.kind = kind
+        self.prune_after = prune_after
+        self.tracker = CloudTracker(kind, journal)
+        # The rule before 0.2 also deleted at once (to Drive's Trash), which is what made it lose data.
+        self.deleter = TrashFreeDeleter(kind if prune_after == "cloud" else PLAIN)
+        self.protected: set[int] = set()  # steps never pruned
+        self.written_step: int | None = None
+        self.written_time: float | None = None
         self.failures = 0  # consecutive failed attempts
         self.total_failures = 0
         self.unsynced_reason: str | None = None
         self._queued: Snapshot | None = None
         self._current: Snapshot | None = None
+        self._retry_at = 0.0
+        self._in_flight = None  # the Upload written last, on its way to the cloud
+        self._gate_warned = False
+        self._prune_wanted = False
+        self._delete_poll_at = 0.0
         self._paused = False
         self._closed = False
         self._cond = threading.Condition()
@@ -119,6 +153,23 @@ class Mirror:
         self._thread.start()
 
     # -- main-thread API -------------------------------------------------------------------
+    def adopt_existing(self) -> None:
+        """Learn the cloud state of the checkpoints already in the folder (a restart), and let the
+        worker prune what the rules allow (leftovers of a killed run among them)."""
+        for step, path in list_checkpoints(self.run_dir / CHECKPOINTS):
+            try:
+                manifest = read_manifest(path)
+                if manifest.step != step or verify_folder(path, manifest, hashes=False) is not None:
+                    continue
+                upload = upload_for(path, manifest, f"checkpoint-{step}", measure=False)
+                self.tracker.add(upload, confirmed=self.kind == PLAIN or None)
+            except (OSError, ValueError) as exc:
+                log.debug("not adopting %s: %s", path, exc)
+        self.tracker.poll(force=True)
+        with self._cond:
+            self._prune_wanted = True
+            self._cond.notify_all()
+
     def submit(self, snapshot: Snapshot) -> None:
         """Queue `snapshot`; it replaces a queued, older one (never the one being uploaded)."""
         with self._cond:
@@ -134,6 +185,7 @@ class Mirror:
 
     @property
     def pending_steps(self) -> list[int]:
+        """Steps saved locally but not yet written to the persistent folder."""
         with self._cond:
             return [s.step for s in (self._current, self._queued) if s is not None]
 
@@ -142,7 +194,7 @@ class Mirror:
         return self._paused
 
     def drain(self, timeout: float | None = None) -> bool:
-        """Wait until every submitted checkpoint is durable; False on timeout or when paused."""
+        """Wait until every submitted checkpoint is written; False on timeout or when paused."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             if self._paused:
@@ -153,19 +205,43 @@ class Mirror:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return False
-                self._cond.wait(timeout=left if left is not None else 1.0)
+                self._cond.wait(timeout=min(left, 1.0) if left is not None else 1.0)
         return True
 
     def pause(self, reason: str) -> None:
-        """Stop uploading for good (the lease was lost to another runtime)."""
+        """Stop uploading and pruning for good (the lease was lost to another runtime)."""
         with self._cond:
             self._paused = True
             self.unsynced_reason = reason
-            for snap in (self._queued,):
-                if snap is not None:
-                    _discard(snap)
+            if self._queued is not None:
+                _discard(self._queued)
             self._queued = None
             self._cond.notify_all()
+
+    def finish_deletions(self, timeout: float) -> bool:
+        """Wait (up to `timeout` s) for the Trash-free deletions under way; False if some remain
+        (they stay as empty files in a folder without a manifest, cleaned up at the next start)."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self.deleter.pending and not self._paused and self.kind == DRIVEFS:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(timeout=min(left, 0.5))
+        return not self.deleter.pending
+
+    def prune_now(self, deadline: float) -> None:
+        """After `close()`: one pruning pass in the calling thread (the checkpoints that reached the
+        cloud after the run finished allow it), waiting for its deletions until `deadline`."""
+        if self._thread.is_alive() or self._paused:
+            return
+        try:
+            self._prune()
+            while self.deleter.pending and time.monotonic() < deadline:
+                self.deleter.poll()
+                time.sleep(0.2)
+        except OSError as exc:  # Drive trouble: the next start prunes instead
+            log.info("pruning after the finish failed: %s", exc)
 
     def close(self, timeout: float = 10.0) -> None:
         with self._cond:
@@ -174,35 +250,83 @@ class Mirror:
         self._thread.join(timeout=timeout)
 
     # -- worker ------------------------------------------------------------------------------
-    def _next(self) -> Snapshot | None:
+    def _loop(self) -> None:
+        while (snap := self._next()) is not False:
+            try:
+                self._housekeeping()
+            except Exception:  # a bug or Drive trouble must not kill the thread silently
+                log.exception("colab_kit: checkpoint housekeeping failed; trying again later")
+            if snap is not None:
+                self._attempt(snap)
+
+    def _next(self):
+        """Wait for work: a snapshot to upload now, or housekeeping that is due (None); False: stop."""
         with self._cond:
             while True:
                 if self._closed or self._paused:
-                    return None
-                if self._current is None and self._queued is not None:
+                    return False
+                now = time.monotonic()
+                if self._current is None and self._queued is not None and self._gate_open(now):
                     self._current, self._queued = self._queued, None
-                if self._current is not None:
+                if self._current is not None and now >= self._retry_at:
                     return self._current
-                self._cond.wait()
+                waits = [w for w in (self.tracker.next_poll_in(), self._gate_wait(now),
+                                     self._retry_at - now if self._current is not None else None,
+                                     self._delete_poll_at - now if self.deleter.pending else None,
+                                     0.0 if self._prune_wanted else None) if w is not None]
+                if waits and min(waits) <= 0:
+                    return None
+                self._cond.wait(timeout=min(waits) if waits else None)
 
-    def _loop(self) -> None:
-        while (snap := self._next()) is not None:
-            try:
-                self._upload(snap)
-            except _SnapshotChanged as exc:  # overwritten in place: a newer save will follow
-                self.notices.add(f"{exc}; skipped it")
-                self.journal.write("warn", what="snapshot_changed", step=snap.step, error=str(exc))
-            except OSError as exc:
-                self._failed(snap, exc)
-                continue
-            except Exception as exc:  # a bug must not kill the thread silently
+    def _gate_open(self, now: float) -> bool:
+        upload = self._in_flight
+        if (upload is None or upload.confirmed is not None or self.kind != DRIVEFS
+                or self.prune_after == "written" or self.tracker.get(upload.label) is not upload):
+            return True
+        expected = self.tracker.expected_upload_s(upload.bytes) or 0.0
+        if now - upload.written < max(GATE_MIN_S, 3 * expected):
+            return False
+        if not self._gate_warned:
+            self._gate_warned = True
+            waited = format_age(now - upload.written)
+            self.notices.add(f"Drive has not confirmed {upload.label} ({format_bytes(upload.bytes)}) after "
+                             f"{waited}; uploading the next checkpoint anyway (python -m colab_kit drive-check "
+                             f"shows what Drive reports)")
+            self.journal.write("warn", what="upload_slow", step=upload.step, waited_s=round(now - upload.written))
+        return True
+
+    def _gate_wait(self, now: float) -> float | None:
+        if self._queued is None or self._current is not None or self._gate_open(now):
+            return None
+        return 1.0  # re-check as confirmations arrive (the poller wakes us sooner)
+
+    def _housekeeping(self) -> None:
+        confirmed = self.tracker.poll()
+        with self._cond:
+            wanted, self._prune_wanted = self._prune_wanted, False
+            if confirmed:
+                self._cond.notify_all()  # the gate may be open now
+        if wanted or any(u.step is not None for u in confirmed):
+            self._prune()
+        if self.deleter.pending and time.monotonic() >= self._delete_poll_at:
+            self.deleter.poll()
+            self._delete_poll_at = time.monotonic() + _DELETE_POLL_S
+
+    def _attempt(self, snap: Snapshot) -> None:
+        try:
+            self._upload(snap)
+        except _SnapshotChanged as exc:  # overwritten in place: a newer save will follow
+            self.notices.add(f"{exc}; skipped it")
+            self.journal.write("warn", what="snapshot_changed", step=snap.step, error=str(exc))
+        except Exception as exc:  # OSError is Drive trouble; anything else a bug: retry, report
+            if not isinstance(exc, OSError):
                 log.exception("unexpected error mirroring checkpoint-%d", snap.step)
-                self._failed(snap, exc)
-                continue
-            with self._cond:
-                self._current = None
-                self._cond.notify_all()
-            _discard(snap)
+            self._failed(snap, exc)
+            return
+        with self._cond:
+            self._current = None
+            self._cond.notify_all()
+        _discard(snap)
 
     def _failed(self, snap: Snapshot, exc: BaseException) -> None:
         self.failures += 1
@@ -224,9 +348,9 @@ class Mirror:
             if self._queued is not None:  # a newer checkpoint exists: stop retrying this one
                 _discard(snap)
                 self._current = None
-                self._cond.notify_all()
-                return
-            self._cond.wait(timeout=delay)  # woken early by a newer checkpoint or close()
+            else:
+                self._retry_at = time.monotonic() + delay
+            self._cond.notify_all()
 
     def _manifest_for(self, snap: Snapshot) -> Manifest:
         files = hash_folder(snap.path)
@@ -234,7 +358,7 @@ class Mirror:
             if name not in files or _stamp(snap.path / name) != (size, mtime):
                 raise _SnapshotChanged(f"{name} of checkpoint-{snap.step} changed after it was saved")
         manifest = Manifest(step=snap.step, files=files, fingerprint=snap.fingerprint,
-                            created=snap.taken, kit_version=self.kit_version)
+                            created=snap.taken, kit_version=self.kit_version, kit_state=snap.kit_state)
         # A manifest beside the local checkpoint lets a restart on the same VM resume from it.
         # Same sizes and mtimes as the snapshot mean the same bytes (hard links share the
         # inode; copy2 keeps the mtime), so the hashes carry over without reading again.
@@ -246,6 +370,21 @@ class Mirror:
                 log.debug("no local manifest for %s: %s", snap.source, exc)
         return manifest
 
+    def _check_space(self, snap: Snapshot) -> None:
+        # A full Drive fails an upload half-way, and cleaning up the half-copy fills the Trash:
+        # better not to start one that cannot fit.
+        try:
+            st = os.statvfs(self.run_dir)
+        except OSError:
+            return
+        if not st.f_blocks:  # the filesystem reports no size
+            return
+        free, pending = st.f_bavail * st.f_frsize, self.tracker.pending_bytes
+        if free < snap.bytes + pending:
+            raise OSError(errno.ENOSPC, f"{self.run_dir} has {format_bytes(free)} free, but checkpoint-{snap.step} "
+                          f"needs {format_bytes(snap.bytes)} plus {format_bytes(pending)} still uploading, so "
+                          f"its upload was not started. Free space on Drive (its Trash counts too) or lower keep")
+
     def _upload(self, snap: Snapshot) -> None:
         started = time.monotonic()
         manifest = self._manifest_for(snap)
@@ -253,24 +392,62 @@ class Mirror:
         if target.is_dir() and _same_manifest(target, manifest) and verify_folder(target, hashes=False) is None:
             log.info("checkpoint-%d is already on %s", snap.step, self.run_dir)
         else:
+            self._check_space(snap)
             publish_folder(snap.path, target, manifest)
         seconds = time.monotonic() - started
-        self.durable_step, self.durable_time = snap.step, time.time()
+        self.written_step, self.written_time = snap.step, time.time()
         if self.failures:
-            self.notices.add(f"sync to {self.run_dir} works again; checkpoint-{snap.step} is durable")
+            self.notices.add(f"sync to {self.run_dir} works again; checkpoint-{snap.step} is written")
         self.failures, self.unsynced_reason = 0, None
-        self.journal.write("sync", step=snap.step, durable=True, seconds=round(seconds, 3),
-                           bytes=manifest.total_bytes)
-        log.info("checkpoint-%d durable on %s (%s in %.1f s)", snap.step, self.run_dir,
+        self.journal.write("sync", step=snap.step, seconds=round(seconds, 3), bytes=manifest.total_bytes)
+        log.info("checkpoint-%d written to %s (%s in %.1f s)", snap.step, self.run_dir,
                  format_bytes(manifest.total_bytes), seconds)
         self.journal.flush()
-        removed = prune_checkpoints(self.run_dir / CHECKPOINTS, keep=self.keep, newest_valid=snap.step)
-        if removed:
-            self.journal.write("prune", steps=removed)
+        upload = upload_for(target, manifest, f"checkpoint-{snap.step}", saved=snap.taken, started=started)
+        in_cloud = self.tracker.add(upload)
+        self._in_flight = upload
+        if in_cloud or self.prune_after == "written" or self.kind == UNCONFIRMED:
+            self._prune()
+
+    def _prune(self) -> None:
+        existing = [(s, p) for s, p in list_checkpoints(self.run_dir / CHECKPOINTS) if p not in self.deleter.pending]
+        manifests = {}
+        for step, path in existing:
+            try:
+                manifest = read_manifest(path)
+            except ValueError:
+                continue
+            if manifest.step == step and verify_folder(path, manifest, hashes=False) is None:
+                manifests[step] = (path, manifest)
+        valid = set(manifests)
+        protect = set(self.protected) | {s.step for s in (self._current,) if s is not None}
+        if self.kind == DRIVEFS and self.prune_after == "cloud":
+            safe = self.tracker.confirmed_steps()
+        else:
+            safe = valid
+        if self.kind == UNCONFIRMED and self.prune_after == "cloud":
+            settled = [s for s, (p, m) in manifests.items()
+                       if _written_age(p) >= UNCONFIRMED_SETTLE_S + m.total_bytes / 1e6]
+            if settled:
+                protect.add(max(settled))
+        doomed = prunable([s for s, _ in existing], valid, safe, self.keep, protect)
+        if doomed:  # journaled first: a checkpoint reported in the cloud stays there until this line
+            self.journal.write("prune", steps=doomed, trash_free=self.kind != PLAIN)
+        paths = dict(existing)
+        for step in doomed:
+            self.tracker.forget(f"checkpoint-{step}")
+            self.deleter.start(paths[step], first=MANIFEST)
 
 
 class _SnapshotChanged(Exception):
     pass
+
+
+def _written_age(folder: Path) -> float:
+    try:
+        return time.time() - (folder / MANIFEST).stat().st_mtime
+    except OSError:
+        return 0.0
 
 
 def _same_manifest(folder: Path, manifest: Manifest) -> bool:

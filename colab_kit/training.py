@@ -72,7 +72,7 @@ def train(run, trainer, *, oom_recovery: bool = True, grow_back_after: int | Non
         run.global_step = trainer.state.global_step
         if guard is not None:
             guard.uninstall()
-        run.finish(status=status)
+        run._finish(300, status, cloud_wait=False)  # the notebook's run.finish() waits for the cloud
 
 
 def _already_complete(run, trainer, checkpoint) -> bool:

@@ -2,7 +2,9 @@
 
 - Drive trouble: `colab_kit.storage` functions (`DriveFaults`),
 - Colab: a stand-in `google.colab` package in `sys.modules` (`fake_colab`),
-- NVML and cgroups: a fake `pynvml` module and fake /proc, /sys files (in the tests).
+- NVML and cgroups: a fake `pynvml` module and fake /proc, /sys files (in the tests),
+- Google Drive's upload semantics: a real FUSE filesystem, the DriveFS emulator
+  (`scripts/drivefs_emulator.py`, `emulated_drive`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,36 @@ import pytest
 from colab_kit import storage
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+from emulated_drive import REQUIRE_ENV, EmulatedDrive, why_no_fuse  # noqa: E402
+
+
+def _no_fuse(reason: str):
+    if os.environ.get(REQUIRE_ENV):  # CI installs fuse3: there these tests must run
+        pytest.fail(f"{REQUIRE_ENV} is set, but the DriveFS emulator cannot run: {reason}")
+    pytest.skip(f"the DriveFS emulator needs FUSE: {reason}")
+
+
+@pytest.fixture
+def emulated_drive(tmp_path):
+    """Makes DriveFS emulators: `emulated_drive(rate=4e6, quota=None, attrs=True)` returns a mounted
+    `EmulatedDrive`; all are unmounted afterwards. Skipped, with the reason, where FUSE cannot mount."""
+    reason = why_no_fuse()
+    if reason:
+        _no_fuse(reason)
+    made = []
+
+    def make(**kwargs) -> EmulatedDrive:
+        drive = EmulatedDrive(tmp_path / f"gdrive{len(made)}", **kwargs)
+        made.append(drive)
+        try:
+            return drive.mount()
+        except RuntimeError as exc:
+            _no_fuse(str(exc))
+
+    yield make
+    for drive in made:
+        drive.unmount()
 
 
 @pytest.fixture

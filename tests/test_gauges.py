@@ -14,7 +14,8 @@ from colab_kit.monitor import HostReading
 def test_live_view_shows_bars_sparklines_and_the_status_line(fake_nvml):
     g = ck.Gauges(total_steps=100, title="run 'x'", view="text", interval=0.05)
     for step in range(1, 6):
-        g.update(step=step, loss=2.0 / step, saved_step=4, durable_step=4, oom_backoffs=1, micro_batch=8)
+        g.update(step=step, loss=2.0 / step, saved_step=4, cloud="in the cloud: 4 (2 min old)", oom_backoffs=1,
+                 micro_batch=8)
         time.sleep(0.02)
     time.sleep(0.15)
     page = g.render()
@@ -23,7 +24,7 @@ def test_live_view_shows_bars_sparklines_and_the_status_line(fake_nvml):
     assert "<polyline" in page and "37 %, 61 °C, 42 W" in page
     line = g.status_line()
     assert "step 5/100" in line and "steps/s" in line and "ETA" in line and "loss 0.4" in line
-    assert "checkpoint 4 on Drive" in line and "OOM back-offs 1 (micro-batch 8)" in line
+    assert "checkpoint 4 saved · in the cloud: 4 (2 min old)" in line and "OOM back-offs 1 (micro-batch 8)" in line
 
 
 def test_na_everywhere_without_a_gpu(fake_nvml):

@@ -22,11 +22,56 @@ def _foreign_lease(drive, **overrides) -> LeaseInfo:
     return info
 
 
-def test_live_lease_of_another_runtime_stops_with_the_way_out(drive):
-    _foreign_lease(drive)
-    with pytest.raises(LeaseHeldError, match=r"host other-vm, pid 4242.*start_run\('rna', takeover=True\)"):
+def test_a_live_owner_on_this_host_is_refused_at_once_with_the_way_out(drive):
+    import os
+
+    import psutil
+
+    parent = psutil.Process(os.getppid())
+    _foreign_lease(drive, host=socket.gethostname(), pid=parent.pid, pid_start=parent.create_time())
+    started = time.monotonic()
+    with pytest.raises(LeaseHeldError, match=r"pid \d+.*wait .* to go stale.*start_run\('rna', takeover=True\)"):
         Lease(drive).acquire(run_name="rna")
+    assert time.monotonic() - started < 1  # the pid says it is alive: nothing to watch
     assert read_lease(drive).session == "theirs"  # untouched
+
+
+def test_a_dead_vm_whose_lease_still_looks_fresh_is_taken_over_after_watching_it(drive):
+    # A reconnect lands on a new VM while the old VM's lease is 2 s old: its heartbeat does not
+    # advance for 1.5 intervals, so it is dead, and the folder is taken over without takeover=True.
+    _foreign_lease(drive, heartbeat=time.time() - 2, heartbeat_s=1.0)
+    ticks = []
+    started = time.monotonic()
+    lease = Lease(drive)
+    previous = lease.acquire(on_watch=lambda holder, left: ticks.append(left))
+    waited = time.monotonic() - started
+    assert previous.host == "other-vm" and read_lease(drive).session == lease.info.session
+    assert 1.4 <= waited < 2.5, waited
+    assert "did not advance" in lease.took_over_because
+    assert ticks and ticks[0] == pytest.approx(1.5, abs=0.1) and ticks == sorted(ticks, reverse=True)
+
+
+def test_a_live_owner_on_another_host_is_refused_when_its_heartbeat_advances(drive):
+    import threading
+
+    info = _foreign_lease(drive, heartbeat_s=1.0)
+    stop = threading.Event()
+
+    def beat():  # the other VM, still alive
+        while not stop.wait(0.3):
+            info.heartbeat = time.time()
+            (drive / LEASE).write_text(json.dumps(asdict(info)))
+
+    thread = threading.Thread(target=beat)
+    thread.start()
+    try:
+        with pytest.raises(LeaseHeldError, match=r"host other-vm.*advanced while this runtime watched.*"
+                                                 r"takeover=True"):
+            Lease(drive).acquire(run_name="rna")
+    finally:
+        stop.set()
+        thread.join()
+    assert read_lease(drive).session == "theirs"
 
 
 def test_takeover_replaces_a_live_lease(drive):

@@ -155,7 +155,9 @@ def test_rna_notebook_pretrains_the_scratch_model_in_its_own_run_then_fine_tunes
     pretrain_dir, run_dir = tmp_path / "drive" / "rna-bert-mlm", tmp_path / "drive" / "rna-bert"
     assert verify_folder(pretrain_dir / "final") is None
     assert json.loads((pretrain_dir / "final" / "metrics.json").read_text())["epochs"] == 1
-    assert [e["event"] for e in events(pretrain_dir)][-2:] == ["finish", "final"]
+    # a plain folder: final/ counts as in the cloud as soon as it is written and read back
+    assert [e["event"] for e in events(pretrain_dir)][-3:] == ["finish", "final", "cloud"]
+    assert events(pretrain_dir)[-1]["what"] == "final"
     assert json.loads((run_dir / "metrics.json").read_text())["steps"] == 58  # 2 epochs of 900 // 32 + 1 steps
 
 

@@ -55,8 +55,11 @@ def test_data_files_first_manifest_last_and_verified(mirror, drive, local, monke
     assert verify_folder(target) is None
     assert verify_folder(source) is None  # a local manifest too, for a restart on the same VM
     assert not (local / ".snapshots" / "checkpoint-10").exists()  # the snapshot is cleaned up
-    sync = [e for e in read_events(drive / "events.jsonl") if e["event"] == "sync"]
-    assert sync[0]["step"] == 10 and sync[0]["durable"] and sync[0]["bytes"] > 75_000
+    events = read_events(drive / "events.jsonl")
+    assert [e["event"] for e in events] == ["sync", "cloud"]  # a plain folder: in the cloud once written
+    sync, cloud = events
+    assert sync["step"] == 10 and "durable" not in sync and sync["bytes"] > 75_000
+    assert cloud["step"] == 10 and cloud["bytes"] == sync["bytes"] and cloud["seconds"] >= 0
 
 
 def test_snapshot_survives_trainer_pruning_the_source(mirror, drive, local, monkeypatch):
@@ -109,12 +112,12 @@ def test_drive_errors_are_retried_reported_and_caught_up(mirror, drive, local, d
     assert bool(disconnected) == (code == errno.ENOTCONN)
     drive_faults.heal()
     assert mirror.drain(10)
-    assert mirror.durable_step == 10 and mirror.unsynced_reason is None
+    assert mirror.written_step == 10 and mirror.unsynced_reason is None
     assert verify_folder(drive / "checkpoints" / "checkpoint-10") is None
     events = read_events(drive / "events.jsonl")
     warns = [e for e in events if e["event"] == "warn" and e["what"] == "sync_failed"]
     assert warns and warns[0]["errno"] == code  # written while Drive was down, landed after
-    assert [e["event"] for e in events][-1] == "sync"
+    assert [e["event"] for e in events][-2:] == ["sync", "cloud"]
 
 
 def test_a_corrupted_copy_is_detected_by_reading_back(mirror, drive, local, monkeypatch):

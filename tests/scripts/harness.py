@@ -23,14 +23,16 @@ class Job:
     root: Path
     loop: str = "trainer"
     steps: int = 60
-    save_every: int = 10
+    save_every: int | str = 10
     name: str = "job"
     step_sleep: float = 0.0
+    extra: list = field(default_factory=list)  # more tiny_job.py options (--vocab, --keep, ...)
+    drive_root: Path | None = None  # the persistent root (an emulated Drive's mount); default root/drive
     log: list = field(default_factory=list)
 
     @property
     def drive(self) -> Path:
-        return self.root / "drive"
+        return self.drive_root or self.root / "drive"
 
     @property
     def local(self) -> Path:
@@ -43,11 +45,12 @@ class Job:
     def command(self, out: Path, kill: str | None) -> list[str]:
         cmd = [sys.executable, str(JOB), "--drive", str(self.drive), "--local", str(self.local),
                "--out", str(out), "--name", self.name, "--loop", self.loop, "--steps", str(self.steps),
-               "--save-every", str(self.save_every), "--step-sleep", str(self.step_sleep)]
+               "--save-every", str(self.save_every), "--step-sleep", str(self.step_sleep), *map(str, self.extra)]
         return cmd + (["--kill", kill] if kill else [])
 
     def start(self, kill: str | None = None, out: Path | None = None) -> subprocess.Popen:
         out = out or self.root / "final.safetensors"
+        self.root.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
         env.pop("COLAB_KIT_DRIVE", None)
         return subprocess.Popen(self.command(out, kill), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -79,13 +82,16 @@ class Job:
 
         return read_events(self.run_dir / "events.jsonl")
 
+    def local_events(self) -> list[dict]:
+        """The journal's copy on local disk: every event of this VM, also those Drive never got."""
+        from colab_kit.journal import read_events
+
+        return read_events(self.local / "events.jsonl")
+
 
 def last_saved_step(job: Job) -> int:
     """Highest step the job reported saving (journal on Drive, plus its local copy if still there)."""
-    from colab_kit.journal import read_events
-
-    steps = [e["step"] for e in job.events() if e["event"] == "save"]
-    steps += [e["step"] for e in read_events(job.local / job.name / "events.jsonl") if e["event"] == "save"]
+    steps = [e["step"] for e in job.events() + job.local_events() if e["event"] == "save"]
     return max(steps, default=0)
 
 
@@ -116,10 +122,11 @@ def max_abs_diff(a: dict, b: dict) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
-def reference_weights(root: Path, loop: str, steps: int = 60, save_every: int = 10) -> dict:
+def reference_weights(root: Path, loop: str, steps: int = 60, save_every: int | str = 10,
+                      extra: list | None = None) -> dict:
     """Final weights of an uninterrupted run."""
     root.mkdir(parents=True, exist_ok=True)
-    job = Job(root, loop=loop, steps=steps, save_every=save_every, name="reference")
+    job = Job(root, loop=loop, steps=steps, save_every=save_every, name="reference", extra=list(extra or []))
     code, text = job.run()
     assert code == 0, text[-3000:]
     return load_weights(root / "final.safetensors")

@@ -1,7 +1,12 @@
 """A tiny training job for end-to-end tests: run it, SIGKILL it anywhere, run it again.
 
     python tiny_job.py --drive D --local L --out final.safetensors [--loop trainer|plain]
-                       [--kill PHASE:K] [--step-sleep S]
+                       [--kill PHASE:K] [--step-sleep S] [--vocab N] [--keep K] [--save-every N|"2s"]
+                       [--prune-after written] [--hostname NAME] [--heartbeat S]
+
+--vocab makes checkpoints heavier (unused embedding rows); --prune-after written runs the pruning
+rule before 0.2; --hostname makes the job look as if it ran on another VM. A live lease of
+another runtime ends the job with exit code 3.
 
 --kill makes the job SIGKILL itself the K-th time it reaches PHASE, in the middle of the
 operation (half a chunk written, a manifest half renamed, ...):
@@ -39,7 +44,7 @@ class Killer:
 
 
 def install_kill_hooks(killer: Killer, drive: Path) -> None:
-    from colab_kit import checkpoint, storage, store
+    from colab_kit import drivefs, storage, store
 
     write_chunk = storage._write_chunk
 
@@ -70,15 +75,15 @@ def install_kill_hooks(killer: Killer, drive: Path) -> None:
 
     storage.append_line = journal
 
-    invalidate = checkpoint._invalidate_and_remove
+    remove_tree = drivefs._remove_tree
 
-    def prune(path):
-        if killer.hit("prune"):
-            (path / "MANIFEST.json").unlink(missing_ok=True)
+    def prune(folder, first):
+        if first is not None and killer.hit("prune"):
+            (folder / first).unlink(missing_ok=True)
             die()
-        invalidate(path)
+        remove_tree(folder, first)
 
-    checkpoint._invalidate_and_remove = prune
+    drivefs._remove_tree = prune
 
     save_fsynced = store._save_fsynced
 
@@ -101,10 +106,24 @@ def install_kill_hooks(killer: Killer, drive: Path) -> None:
     Trainer._save_optimizer_and_scheduler = trainer_local_save
 
 
+def start(args, **overrides):
+    import colab_kit as ck
+
+    kwargs = dict(drive=args.drive, local_dir=args.local, save_every=args.save_every, keep=args.keep,
+                  heartbeat_s=args.heartbeat) | overrides
+    started = time.monotonic()
+    try:
+        run = ck.start_run(args.name, **kwargs)
+    except ck.LeaseHeldError as exc:
+        print(f"LEASE HELD: {exc}", flush=True)
+        sys.exit(3)
+    print(f"START_RUN_S={time.monotonic() - started:.2f}", flush=True)
+    return run
+
+
 def run_trainer(args, killer: Killer):
     from transformers import TrainerCallback
 
-    import colab_kit as ck
     from colab_kit.demo import tiny_trainer
 
     class Hooks(TrainerCallback):
@@ -113,9 +132,8 @@ def run_trainer(args, killer: Killer):
             if killer.hit("step"):
                 die()
 
-    run = ck.start_run(args.name, drive=args.drive, local_dir=args.local, save_every=args.save_every,
-                       heartbeat_s=1.0)
-    trainer = tiny_trainer(run, max_steps=args.steps, dropout=0.1, callbacks=[Hooks()])
+    run = start(args)
+    trainer = tiny_trainer(run, max_steps=args.steps, dropout=0.1, callbacks=[Hooks()], vocab_size=args.vocab)
     output = run.train(trainer)
     return trainer.model, output.global_step
 
@@ -123,11 +141,10 @@ def run_trainer(args, killer: Killer):
 def run_plain(args, killer: Killer):
     import torch
 
-    import colab_kit as ck
     from colab_kit.demo import tiny_bert_config, toy_classification
     from transformers import BertForSequenceClassification
 
-    run = ck.start_run(args.name, drive=args.drive, local_dir=args.local, save_every=None, heartbeat_s=1.0)
+    run = start(args, save_every=None)
     store = run.checkpoint_store()
     torch.manual_seed(0)
     model = BertForSequenceClassification(tiny_bert_config(dropout=0.1))
@@ -166,10 +183,23 @@ def main() -> None:
     parser.add_argument("--name", default="job")
     parser.add_argument("--loop", choices=["trainer", "plain"], default="trainer")
     parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--save-every", type=int, default=10)
+    parser.add_argument("--save-every", default="10", help="steps, or a duration such as 2s")
+    parser.add_argument("--keep", type=int, default=3)
+    parser.add_argument("--vocab", type=int, default=32)
+    parser.add_argument("--heartbeat", type=float, default=1.0)
+    parser.add_argument("--prune-after", choices=["cloud", "written"], default="cloud")
+    parser.add_argument("--hostname", default=None)
     parser.add_argument("--kill", default=None)
     parser.add_argument("--step-sleep", type=float, default=0.0)
     args = parser.parse_args()
+    args.save_every = int(args.save_every) if args.save_every.isdigit() else args.save_every
+    if args.hostname:  # before colab_kit reads it: this job runs "on another VM"
+        import socket
+
+        socket.gethostname = lambda: args.hostname
+    import colab_kit.start
+
+    colab_kit.start._PRUNE_AFTER = args.prune_after
     killer = Killer(args.kill)
     install_kill_hooks(killer, Path(args.drive).absolute())
     model, step = (run_trainer if args.loop == "trainer" else run_plain)(args, killer)

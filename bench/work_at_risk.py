@@ -1,0 +1,111 @@
+"""Work at risk on an emulated Google Drive: the pruning rule before 0.2 vs "in the cloud" first.
+
+    python bench/work_at_risk.py [--minutes 10] [--rates 2e6 20e6] [--save-every 20s] [--vocab 160000]
+
+Work at risk is the training a disconnect would cost right now: the seconds since the newest
+checkpoint *in the cloud* was saved (since the start while there is none). Each configuration
+trains the tiny BERT of the tests through `start_run` + `run.train` (checkpoints of ~60 MB with
+the default `--vocab`, a time-based `save_every`) against the DriveFS emulator at one upload rate,
+under one rule; all run side by side in one go, and once a second this script reads the
+emulator's cloud folder (the ground truth, not the kit's claims) for the newest checkpoint whose
+manifest and file sizes hold. Needs FUSE (Debian fuse3, mfusepy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "scripts"))
+import harness  # noqa: E402
+from emulated_drive import EmulatedDrive, why_no_fuse  # noqa: E402
+
+from colab_kit.checkpoint import list_checkpoints  # noqa: E402
+from colab_kit.journal import read_events  # noqa: E402
+from colab_kit.manifest import read_manifest, verify_folder  # noqa: E402
+
+RULES = {"written": "prune once a newer one is written (before 0.2)", "cloud": "prune once a newer one is in the cloud"}
+
+
+def newest_in_cloud(drive: EmulatedDrive, name: str) -> float | None:
+    """When the newest checkpoint in the cloud folder that holds together was saved (None: none)."""
+    for _, path in list_checkpoints(drive.cloud / name / "checkpoints"):
+        try:
+            manifest = read_manifest(path)
+        except ValueError:
+            continue
+        if verify_folder(path, manifest, hashes=False) is None:
+            return manifest.created
+    return None
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--minutes", type=float, default=10.0)
+    parser.add_argument("--rates", type=float, nargs="+", default=[2e6, 20e6], help="upload bytes/s")
+    parser.add_argument("--save-every", default="20s")
+    parser.add_argument("--vocab", type=int, default=160_000, help="160000: ~60 MB checkpoints")
+    parser.add_argument("--step-sleep", type=float, default=0.1)
+    args = parser.parse_args()
+    if reason := why_no_fuse():
+        print(f"cannot run: {reason}", file=sys.stderr)
+        return 2
+    root = Path(tempfile.mkdtemp(prefix="work_at_risk-"))
+    configs = []
+    for rate in args.rates:
+        for rule in RULES:
+            where = root / f"{rate:.0e}-{rule}"
+            drive = EmulatedDrive(where / "gdrive", rate=rate).mount()
+            job = harness.Job(where, steps=10**6, save_every=args.save_every, step_sleep=args.step_sleep,
+                              drive_root=drive.mountpoint, name="run",
+                              extra=["--vocab", args.vocab, "--prune-after", rule])
+            configs.append({"rate": rate, "rule": rule, "drive": drive, "job": job, "proc": job.start(),
+                            "risk": [], "empty_after_first": 0})
+    print(f"{len(configs)} runs side by side for {args.minutes:g} min in {root} ...", flush=True)
+    started = time.time()
+    deadline = time.monotonic() + args.minutes * 60
+    while time.monotonic() < deadline:
+        now = time.time()
+        for c in configs:
+            events = c["job"].local_events() if not c["risk"] else None
+            if events is not None and not any(e["event"] == "start" for e in events):
+                continue  # still importing: training has not begun
+            c.setdefault("began", now)
+            saved = newest_in_cloud(c["drive"], "run")
+            if saved is None and c.get("seen"):
+                c["empty_after_first"] += 1
+            c["seen"] = c.get("seen") or saved is not None
+            c["risk"].append(now - (saved if saved is not None else c["began"]))
+        time.sleep(max(0.0, 1.0 - (time.time() - now)))
+    for c in configs:
+        c["proc"].kill()
+        c["proc"].communicate()
+        c["drive"].unmount()
+
+    print(f"\nwork at risk over {args.minutes:g} min of training, save_every={args.save_every!r}, "
+          f"checkpoints of ~{checkpoint_mb(configs):.0f} MB, sampled once a second from the cloud folder:")
+    print(f"{'upload':>9}  {'rule':<44} {'median s':>9} {'max s':>8} {'no ckpt s':>10} {'in cloud':>9} {'interval s':>11}")
+    for c in configs:
+        events = c["job"].local_events()
+        stretched = [e["interval_s"] for e in events if e["event"] == "warn" and e.get("what") == "save_interval"]
+        cloud = len([e for e in events if e["event"] == "cloud" and "step" in e])
+        risk = c["risk"] or [float("nan")]
+        print(f"{c['rate'] / 1e6:>5.0f} MB/s  {RULES[c['rule']]:<44} {statistics.median(risk):>9.0f} {max(risk):>8.0f} "
+              f"{c['empty_after_first']:>10d} {cloud:>9d} {stretched[-1] if stretched else '-':>11}")
+    print("\n'no ckpt s': seconds, after the first checkpoint reached the cloud, with none there that holds "
+          "together; 'in cloud': checkpoints confirmed (cloud events); 'interval s': the stretched save interval.")
+    print(f"(elapsed {time.time() - started:.0f} s)")
+    return 0
+
+
+def checkpoint_mb(configs) -> float:
+    sizes = [e["bytes"] for c in configs for e in read_events(c["job"].local / "events.jsonl") if e["event"] == "sync"]
+    return statistics.median(sizes) / 1e6 if sizes else float("nan")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
