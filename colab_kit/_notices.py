@@ -20,7 +20,7 @@ class Notices:
         self._lock = threading.Lock()
 
     def add(self, message: str) -> None:
-        log.warning(message)
+        log.info(message)  # show() prints it; a warning would print it twice through logging's last resort
         with self._lock:
             self._queue.append(message)
 

@@ -16,7 +16,7 @@ from transformers import TrainerCallback
 
 from ._units import format_age, format_bytes
 from .checkpoint import checkpoint_dir
-from .sync import SNAPSHOTS, take_snapshot
+from .snapshot import SNAPSHOTS, take_snapshot
 
 __all__ = ["SaveScheduleCallback", "DriveSyncCallback", "GaugesCallback"]
 
@@ -57,6 +57,8 @@ class SaveScheduleCallback(TrainerCallback):
     def interval(self) -> float:
         """The time-based interval in force: `save_every`, or longer while uploads are slower."""
         asked = self.run.save_every_s
+        if self.run.mirror.prune_after == "written":  # the behaviour before 0.2, for comparisons
+            return asked
         tracker = self.run.mirror.tracker
         expected = tracker.expected_upload_s(tracker.last_bytes)
         interval = max(asked, STRETCH * expected) if expected else asked

@@ -25,7 +25,7 @@ from . import storage
 from .manifest import MANIFEST, Manifest, read_manifest, verify_folder, write_manifest
 
 __all__ = ["CHECKPOINTS", "ARCHIVE", "FINAL", "KIT_STATE", "Found", "checkpoint_dir", "list_checkpoints",
-           "find_latest", "fetch_checkpoint", "publish_folder", "prunable", "model_signature"]
+           "find_latest", "fetch_checkpoint", "publish_folder", "model_signature"]
 
 CHECKPOINTS = "checkpoints"
 ARCHIVE = "archive"  # checkpoints moved aside by start_run(resume=False)
@@ -160,24 +160,6 @@ def find_latest(places: Iterable[tuple[str, Path]], local_root: Path,
             continue
         return Found(step, path, manifest, origin, path)
     return None
-
-
-def prunable(steps: Iterable[int], valid: set[int], safe: set[int], keep: int,
-             protect: set[int] = frozenset()) -> list[int]:
-    """The checkpoints to delete, given which are valid and which are safe (in the cloud).
-
-    Keeps the `keep` newest safe checkpoints (so at least one always remains), anything newer than
-    the newest safe one that is still valid (it may be on its way to the cloud) and `protect`;
-    deletes everything else. With no safe checkpoint nothing is deleted: a deletion reaches the
-    cloud before a large pending upload does, so pruning on anything less can leave no checkpoint
-    in the cloud at all.
-    """
-    ranked = sorted(safe & valid, reverse=True)
-    if not ranked:
-        return []
-    kept = set(ranked[:keep]) | set(protect)
-    newest = ranked[0]
-    return sorted(s for s in steps if s not in kept and (s < newest or s not in valid))
 
 
 def model_signature(model) -> dict:

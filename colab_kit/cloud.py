@@ -31,7 +31,7 @@ from .manifest import MANIFEST, Manifest
 __all__ = ["Upload", "CloudTracker", "upload_for"]
 
 log = logging.getLogger(__name__)
-POLL_MIN_S, POLL_MAX_S = 0.25, 15.0
+POLL_MIN_S, POLL_MAX_S = 0.1, 15.0
 _RATE_SAMPLES = 5
 
 

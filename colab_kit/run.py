@@ -16,12 +16,12 @@ import weakref
 from pathlib import Path
 
 from . import storage
-from ._notices import Countdown, Notices
-from ._units import format_age, format_bytes
+from ._notices import Notices
+from ._units import format_bytes
 from .checkpoint import FINAL
 from .cloud import upload_for
-from .drive import flush_hint, remount_drive
-from .drivefs import PLAIN, UNCONFIRMED
+from .drive import remount_drive
+from .drivefs import PLAIN
 from .errors import ColabKitError, DriveError
 from .journal import Journal
 from .lease import Lease, LeaseInfo
@@ -301,122 +301,9 @@ class Run:
         Returns:
             `status()` plus "status", "synced" (all written) and "in_cloud" (all confirmed).
         """
-        return self._finish(timeout, status, flush=flush, cloud_wait=True)
+        from .finish import finish_run
 
-    def _finish(self, timeout: float | None, status: str, *, flush: bool = False, cloud_wait: bool = True) -> dict:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        if self._finished:  # again: wait for what is still on its way to the cloud
-            in_cloud = self._wait_for_cloud(deadline)
-            if in_cloud and self.lease.still_ours():  # what reached the cloud since allows pruning
-                self.mirror.prune_now(deadline if deadline is not None else time.monotonic() + 60)
-            summary = self.status() | {k: self._summary[k] for k in ("status", "synced")} | {"in_cloud": in_cloud}
-            self._report(summary, again=True)
-            if flush:
-                self._flush()
-            return summary
-        self.clock.stop()
-        self._close_gauges(error=None if status in ("finished", "completed") else status)
-        self.poll()
-        drained = self.mirror.drain(timeout)
-        if not drained and not self.mirror.paused:  # paused: another runtime owns the folder now
-            summary = self.status() | {"status": status, "synced": False, "in_cloud": False}
-            self.notices.add(
-                f"NOT YET ON DRIVE: checkpoint(s) {self.mirror.pending_steps} are only on local disk "
-                f"({self.mirror.unsynced_reason or 'upload still running'}). Keep this runtime "
-                f"connected and call run.finish() again to keep waiting.")
-            self.journal.write("warn", what="finish_unsynced", **summary)
-            self.notices.show()
-            return summary
-        if cloud_wait and not self.mirror.paused:
-            in_cloud = self._wait_for_cloud(deadline)
-        else:
-            self.mirror.tracker.poll(force=True)
-            in_cloud = self.mirror.tracker.all_in_cloud()
-        summary = self.status() | {"status": status, "synced": drained, "in_cloud": in_cloud}
-        if cloud_wait and not in_cloud and self.mirror.tracker.pending():
-            self.journal.write("warn", what="not_in_cloud", pending=summary["pending"],
-                               pending_bytes=summary["pending_bytes"], durability=self.durability)
-        self.journal.write("finish", **summary)
-        self.journal.flush()
-        self.mirror.finish_deletions(max(1.0, deadline - time.monotonic()) if deadline is not None else 60.0)
-        self.mirror.close()
-        self.lease.release()
-        self._finished = True
-        self._summary = summary
-        _ACTIVE.pop(str(self.drive_dir), None)
-        self.notices.show()
-        self._report(summary, waited=cloud_wait)
-        if summary.get("oom"):
-            print(f"colab_kit: {summary['oom']}.")
-        if flush:
-            self._flush()
-        return dict(summary)
-
-    def _wait_for_cloud(self, deadline: float | None) -> bool:
-        """Poll until everything written is in the cloud or `deadline` passes, with a countdown."""
-        tracker = self.mirror.tracker
-        countdown = None
-        while True:
-            tracker.poll()
-            if tracker.all_in_cloud() or tracker.kind == UNCONFIRMED:
-                return tracker.all_in_cloud()
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                return False
-            countdown = countdown or Countdown()
-            eta, rate = tracker.eta_s(), tracker.rate_bps
-            labels = ", ".join(u.label + ("/" if u.step is None else "") for u in tracker.pending())
-            countdown.show(f"colab_kit: waiting for Drive to upload {format_bytes(tracker.pending_bytes)} ({labels})"
-                           + (f": ~{format_age(eta)} left at {format_bytes(rate)}/s" if eta and rate else "")
-                           + (f"; giving up in {format_age(left)}" if left is not None else ""))
-            time.sleep(min(1.0, left) if left is not None else 1.0)
-
-    def _report(self, summary: dict, *, waited: bool = True, again: bool = False) -> None:
-        """The one status line of finish(): what is in the cloud, and plainly what is not."""
-        tracker = self.mirror.tracker
-        newest, pending = tracker.newest_in_cloud(), tracker.pending()
-        labels = ", ".join(u.label + ("/" if u.step is None else "") for u in pending)
-        head = f"colab_kit: run {self.name!r} " + (f"is already finished ({summary['status']})" if again
-                                                   else summary["status"])
-        if self.durability == PLAIN:
-            saved = f"checkpoint-{newest.step} is" if newest else "no checkpoint is"
-            print(f"{head}; {saved} saved in {self.drive_dir} (a plain folder: safe once written and read back).")
-            return
-        if self.durability == UNCONFIRMED:
-            print(f"{head}; {labels or 'nothing'} written to Google Drive in {self.drive_dir}, but whether it is "
-                  f"in the cloud cannot be confirmed: DriveFS's upload attributes are missing on this mount. "
-                  f"Keep the runtime connected for a while, or call run.finish(flush=True) "
-                  f"(it pushes Drive's cache and unmounts Drive).")
-            return
-        where = (f"the newest checkpoint in the cloud is checkpoint-{newest.step} (saved "
-                 f"{format_age(time.time() - newest.saved)} ago)") if newest else "no checkpoint is in the cloud"
-        if not pending:
-            print(f"{head}; everything is in the cloud: {where}.")
-            return
-        eta, rate = tracker.eta_s(), tracker.rate_bps
-        left = f"; ~{format_age(eta)} left at {format_bytes(rate)}/s" if eta and rate else ""
-        if not waited and not again:  # the end of run.train: the notebook's run.finish() waits
-            print(f"{head}; {where}; uploading {labels} ({format_bytes(tracker.pending_bytes)}){left}. "
-                  f"run.finish() at the end waits for it.")
-            return
-        print(f"{head}. NOT YET IN THE CLOUD: {labels} ({format_bytes(tracker.pending_bytes)}) is written to "
-              f"Drive's cache on this VM only, and is lost if the runtime is recycled now{left}; {where}. "
-              f"Keep this runtime connected and call run.finish() again to wait, or "
-              f"run.finish(flush=True) to push it (this unmounts Drive).")
-        if self.on_drive:
-            print("colab_kit: " + flush_hint())
-
-    def _flush(self) -> None:
-        from .drive import flush_and_unmount
-
-        if not self.on_drive:
-            print(f"colab_kit: flush=True pushes Google Drive's cache in Colab; {self.drive_dir} is not on "
-                  f"Colab's Drive mount, so there is nothing to flush.")
-            return
-        self.journal.write("flush", what="drive.flush_and_unmount")
-        flush_and_unmount()
-        print("colab_kit: Drive's cache was pushed to the cloud and Google Drive is now UNMOUNTED "
-              "(drive.flush_and_unmount()). ck.start_run(...) mounts it again.")
+        return finish_run(self, timeout, status, flush=flush, cloud_wait=True)
 
     def _require_open(self, what: str) -> None:
         if self._finished:

@@ -31,7 +31,7 @@ from .journal import EVENTS, Journal
 from .lease import Lease
 from .run import _ACTIVE, Run, _TrainClock
 from .runtime import detect_runtime, in_colab
-from .sync import SNAPSHOTS, take_snapshot
+from .snapshot import SNAPSHOTS, take_snapshot
 
 __all__ = ["start_run"]
 

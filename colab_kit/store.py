@@ -30,7 +30,8 @@ from .checkpoint import CHECKPOINTS, checkpoint_dir, find_latest, list_checkpoin
 from .drivefs import UNCONFIRMED, folder_kind
 from .errors import CheckpointError, ResumeMismatchError
 from .journal import EVENTS, Journal
-from .sync import SNAPSHOTS, Mirror, take_snapshot
+from .snapshot import SNAPSHOTS, take_snapshot
+from .sync import Mirror
 
 __all__ = ["CheckpointStore"]
 

@@ -12,7 +12,7 @@ worker then, for the newest snapshot only:
    event), and only then starts the next snapshot: on Drive one checkpoint at a time is in
    DriveFS's upload queue, and a newer snapshot replaces a queued older one instead of waiting
    behind it,
-4. prunes older checkpoints only once a newer one is in the cloud (`checkpoint.prunable`),
+4. prunes older checkpoints only once a newer one is in the cloud (`retention.py`),
    deleting them the Trash-free way on Drive (`drivefs.TrashFreeDeleter`).
 
 Drive errors (ENOSPC, EIO, permissions, errno 107 "Transport endpoint is not connected") are
@@ -24,81 +24,27 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import shutil
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from . import storage
 from ._notices import Notices
 from ._units import format_age, format_bytes
-from .checkpoint import CHECKPOINTS, checkpoint_dir, list_checkpoints, prunable, publish_folder
+from .checkpoint import CHECKPOINTS, checkpoint_dir, list_checkpoints, publish_folder
 from .cloud import CloudTracker, upload_for
-from .drivefs import DRIVEFS, PLAIN, UNCONFIRMED, TrashFreeDeleter
+from .drivefs import DRIVEFS, PLAIN, UNCONFIRMED, TrashFreeDeleter, in_cloud
 from .journal import Journal
 from .manifest import MANIFEST, Manifest, hash_folder, read_manifest, verify_folder, write_manifest
+from .retention import choose_doomed
+from .snapshot import Snapshot, discard, stamp
 
-__all__ = ["Snapshot", "Mirror", "take_snapshot"]
+__all__ = ["Mirror"]
 
 log = logging.getLogger(__name__)
-SNAPSHOTS = ".snapshots"
-# Without DriveFS's attributes, a checkpoint written this long ago (plus 1 s per MB) is the one
-# kept back from pruning: an assumption, never reported as "in the cloud".
-UNCONFIRMED_SETTLE_S = 600.0
 # How long the next checkpoint waits for the previous one to reach the cloud before it goes anyway.
 GATE_MIN_S = 600.0
 _DELETE_POLL_S = 1.0
-
-
-@dataclass
-class Snapshot:
-    """An immutable local copy of one checkpoint, waiting to be mirrored."""
-
-    step: int
-    path: Path
-    fingerprint: dict = field(default_factory=dict)
-    stamps: dict[str, tuple[int, int]] = field(default_factory=dict)  # name -> (size, mtime_ns)
-    source: Path | None = None  # the folder it was taken from (gets a local MANIFEST too)
-    taken: float = field(default_factory=time.time)
-    kit_state: dict = field(default_factory=dict)  # recorded in the manifest
-
-    @property
-    def bytes(self) -> int:
-        return sum(size for size, _ in self.stamps.values())
-
-
-def _stamp(path: Path) -> tuple[int, int]:
-    st = path.stat()
-    return st.st_size, st.st_mtime_ns
-
-
-def take_snapshot(source: str | Path, snapshots_root: str | Path, step: int,
-                  fingerprint: dict | None = None, kit_state: dict | None = None) -> Snapshot:
-    """Hard-link (or copy) every file of `source` into `snapshots_root/checkpoint-<step>`.
-
-    Hard links cost no time or space and survive the Trainer deleting `source`. They share
-    bytes with `source`, so the worker re-checks sizes and mtimes before trusting its hashes.
-    """
-    source = Path(source)
-    target = Path(snapshots_root) / f"checkpoint-{step}"
-    if target.exists():
-        shutil.rmtree(target)
-    stamps = {}
-    for path in sorted(source.rglob("*")):
-        if not path.is_file() or path.name == MANIFEST or storage.is_temp_name(path.name):
-            continue
-        name = path.relative_to(source).as_posix()
-        dst = target / name
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            os.link(path, dst)
-        except OSError:  # EXDEV, or a filesystem without hard links
-            shutil.copy2(path, dst)
-        stamps[name] = _stamp(dst)
-    return Snapshot(step=step, path=target, fingerprint=dict(fingerprint or {}), stamps=stamps,
-                    source=source, kit_state=dict(kit_state or {}))
 
 
 class Mirror:
@@ -112,8 +58,10 @@ class Mirror:
         kit_version: recorded in each manifest.
         on_disconnected: called (from the worker) on errno 107, to ask for a Drive remount.
         kind: what "in the cloud" means for `run_dir` (`drivefs.folder_kind`).
-        prune_after: "cloud" (the rule); "written" prunes once a newer manifest is written, the
-            rule before 0.2, kept so that the tests and `bench/work_at_risk.py` can show what it loses.
+        prune_after: "cloud" (the rule). "written" is the behaviour before 0.2, kept so that the
+            tests and `bench/work_at_risk.py` can show what it loses: prune once a newer manifest
+            is written, delete at once, upload without waiting for the cloud, never stretch
+            `save_every`.
     """
 
     def __init__(self, run_dir: str | Path, *, keep: int, journal: Journal, notices: Notices,
@@ -144,6 +92,7 @@ class Mirror:
         self._retry_at = 0.0
         self._in_flight = None  # the Upload written last, on its way to the cloud
         self._gate_warned = False
+        self._told_trash = False
         self._prune_wanted = False
         self._delete_poll_at = 0.0
         self._paused = False
@@ -162,10 +111,11 @@ class Mirror:
                 if manifest.step != step or verify_folder(path, manifest, hashes=False) is not None:
                     continue
                 upload = upload_for(path, manifest, f"checkpoint-{step}", measure=False)
-                self.tracker.add(upload, confirmed=self.kind == PLAIN or None)
+                # Already in the cloud: known, not news (no `cloud` event); still uploading: followed.
+                done, upload.pending_bytes = in_cloud(path, upload.files, self.kind)
+                self.tracker.add(upload, confirmed=done)
             except (OSError, ValueError) as exc:
                 log.debug("not adopting %s: %s", path, exc)
-        self.tracker.poll(force=True)
         with self._cond:
             self._prune_wanted = True
             self._cond.notify_all()
@@ -174,12 +124,12 @@ class Mirror:
         """Queue `snapshot`; it replaces a queued, older one (never the one being uploaded)."""
         with self._cond:
             if self._closed or self._paused:
-                _discard(snapshot)
+                discard(snapshot)
                 return
             if self._queued is not None:
                 log.info("checkpoint-%d superseded by checkpoint-%d before upload",
                          self._queued.step, snapshot.step)
-                _discard(self._queued)
+                discard(self._queued)
             self._queued = snapshot
             self._cond.notify_all()
 
@@ -214,7 +164,7 @@ class Mirror:
             self._paused = True
             self.unsynced_reason = reason
             if self._queued is not None:
-                _discard(self._queued)
+                discard(self._queued)
             self._queued = None
             self._cond.notify_all()
 
@@ -326,7 +276,7 @@ class Mirror:
         with self._cond:
             self._current = None
             self._cond.notify_all()
-        _discard(snap)
+        discard(snap)
 
     def _failed(self, snap: Snapshot, exc: BaseException) -> None:
         self.failures += 1
@@ -346,7 +296,7 @@ class Mirror:
             self.on_disconnected()
         with self._cond:
             if self._queued is not None:  # a newer checkpoint exists: stop retrying this one
-                _discard(snap)
+                discard(snap)
                 self._current = None
             else:
                 self._retry_at = time.monotonic() + delay
@@ -355,7 +305,7 @@ class Mirror:
     def _manifest_for(self, snap: Snapshot) -> Manifest:
         files = hash_folder(snap.path)
         for name, (size, mtime) in snap.stamps.items():
-            if name not in files or _stamp(snap.path / name) != (size, mtime):
+            if name not in files or stamp(snap.path / name) != (size, mtime):
                 raise _SnapshotChanged(f"{name} of checkpoint-{snap.step} changed after it was saved")
         manifest = Manifest(step=snap.step, files=files, fingerprint=snap.fingerprint,
                             created=snap.taken, kit_version=self.kit_version, kit_state=snap.kit_state)
@@ -364,7 +314,7 @@ class Mirror:
         # inode; copy2 keeps the mtime), so the hashes carry over without reading again.
         if snap.source is not None:
             try:
-                if all(_stamp(snap.source / n) == s for n, s in snap.stamps.items()):
+                if all(stamp(snap.source / n) == s for n, s in snap.stamps.items()):
                     write_manifest(snap.source, manifest)
             except OSError as exc:  # the Trainer may have pruned it already
                 log.debug("no local manifest for %s: %s", snap.source, exc)
@@ -379,7 +329,8 @@ class Mirror:
             return
         if not st.f_blocks:  # the filesystem reports no size
             return
-        free, pending = st.f_bavail * st.f_frsize, self.tracker.pending_bytes
+        # Bytes written but not yet uploaded: known only where DriveFS reports them.
+        free, pending = st.f_bavail * st.f_frsize, self.tracker.pending_bytes if self.kind == DRIVEFS else 0
         if free < snap.bytes + pending:
             raise OSError(errno.ENOSPC, f"{self.run_dir} has {format_bytes(free)} free, but checkpoint-{snap.step} "
                           f"needs {format_bytes(snap.bytes)} plus {format_bytes(pending)} still uploading, so "
@@ -410,44 +361,24 @@ class Mirror:
             self._prune()
 
     def _prune(self) -> None:
-        existing = [(s, p) for s, p in list_checkpoints(self.run_dir / CHECKPOINTS) if p not in self.deleter.pending]
-        manifests = {}
-        for step, path in existing:
-            try:
-                manifest = read_manifest(path)
-            except ValueError:
-                continue
-            if manifest.step == step and verify_folder(path, manifest, hashes=False) is None:
-                manifests[step] = (path, manifest)
-        valid = set(manifests)
         protect = set(self.protected) | {s.step for s in (self._current,) if s is not None}
-        if self.kind == DRIVEFS and self.prune_after == "cloud":
-            safe = self.tracker.confirmed_steps()
-        else:
-            safe = valid
-        if self.kind == UNCONFIRMED and self.prune_after == "cloud":
-            settled = [s for s, (p, m) in manifests.items()
-                       if _written_age(p) >= UNCONFIRMED_SETTLE_S + m.total_bytes / 1e6]
-            if settled:
-                protect.add(max(settled))
-        doomed = prunable([s for s, _ in existing], valid, safe, self.keep, protect)
+        doomed = choose_doomed(self.run_dir / CHECKPOINTS, kind=self.kind, prune_after=self.prune_after,
+                               confirmed=self.tracker.confirmed_steps(), keep=self.keep, protect=protect,
+                               deleting=self.deleter.pending)
         if doomed:  # journaled first: a checkpoint reported in the cloud stays there until this line
-            self.journal.write("prune", steps=doomed, trash_free=self.kind != PLAIN)
-        paths = dict(existing)
-        for step in doomed:
+            self.journal.write("prune", steps=[step for step, _ in doomed], trash_free=self.deleter.kind != PLAIN)
+        for step, path in doomed:
             self.tracker.forget(f"checkpoint-{step}")
-            self.deleter.start(paths[step], first=MANIFEST)
+            self.deleter.start(path, first=MANIFEST)
+        if doomed and self.deleter.kind != PLAIN and not self._told_trash:
+            self._told_trash = True
+            self.notices.add(f"deleted checkpoint-{doomed[0][0]} from Drive the Trash-free way: each file is emptied "
+                             f"before it is deleted, so Drive's Trash keeps only 0-byte stubs (for 30 days, or "
+                             f"until you empty the Trash at drive.google.com); they take no quota")
 
 
 class _SnapshotChanged(Exception):
     pass
-
-
-def _written_age(folder: Path) -> float:
-    try:
-        return time.time() - (folder / MANIFEST).stat().st_mtime
-    except OSError:
-        return 0.0
 
 
 def _same_manifest(folder: Path, manifest: Manifest) -> bool:
@@ -455,7 +386,3 @@ def _same_manifest(folder: Path, manifest: Manifest) -> bool:
         return read_manifest(folder).files == manifest.files
     except ValueError:
         return False
-
-
-def _discard(snap: Snapshot) -> None:
-    shutil.rmtree(snap.path, ignore_errors=True)

@@ -24,6 +24,7 @@ INCOMPATIBLE = {"model": "model tensor names/shapes", "effective_batch": "effect
 def train(run, trainer, *, oom_recovery: bool = True, grow_back_after: int | None = None,
           micro_batch: int | None = None, **train_kwargs):
     """The body of `Run.train` (see its docstring)."""
+    from .finish import finish_run
     from .microbatch import TrainerMicroBatching
     from .oom import OutOfMemoryError, is_fatal_cuda_error, is_oom_error
 
@@ -72,7 +73,7 @@ def train(run, trainer, *, oom_recovery: bool = True, grow_back_after: int | Non
         run.global_step = trainer.state.global_step
         if guard is not None:
             guard.uninstall()
-        run._finish(300, status, cloud_wait=False)  # the notebook's run.finish() waits for the cloud
+        finish_run(run, 300, status, cloud_wait=False)  # the notebook's run.finish() waits for the cloud
 
 
 def _already_complete(run, trainer, checkpoint) -> bool:

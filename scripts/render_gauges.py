@@ -48,7 +48,8 @@ for step in range(1, 121):
         pass
     ballast.append(bytearray(4 * 2**20))  # host RAM grows, as a leaky data pipeline would
     g.update(step=step, loss=2.5 * math.exp(-step / 40) + 0.3 + 0.05 * math.sin(step),
-             saved_step=100 if step >= 100 else None, durable_step=100 if step >= 108 else None)
+             saved_step=100 if step >= 100 else None,
+             cloud="in the cloud: 100 (1 min old)" if step >= 108 else "nothing in the cloud yet")
 g.close()
 '''
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from colab_kit.checkpoint import fetch_checkpoint, find_latest, list_checkpoints, prunable
+from colab_kit.checkpoint import fetch_checkpoint, find_latest, list_checkpoints
 from colab_kit.manifest import MANIFEST, Manifest, hash_folder, read_manifest, verify_folder, write_manifest
 
 
@@ -110,30 +110,3 @@ def test_list_ignores_other_names_and_sorts_numerically(tmp_path):
     for name in ("checkpoint-9", "checkpoint-10", "checkpoint-100", "checkpoint-x", "notes", "checkpoint-5.tmp-1"):
         (tmp_path / name).mkdir()
     assert [s for s, _ in list_checkpoints(tmp_path)] == [100, 10, 9]
-
-
-def test_prune_on_written_state_keeps_newest_valid_ones_and_removes_invalid():
-    # A plain folder: written and read back counts as safe, so every valid checkpoint is "safe".
-    steps, valid = [10, 20, 30, 35, 40, 50], {10, 20, 30, 40}  # 35 and 50: crashed uploads
-    assert prunable(steps, valid, safe=valid, keep=2) == [10, 20, 35, 50]
-
-
-def test_prune_keeps_the_newest_in_the_cloud_and_whatever_is_on_its_way():
-    # 30 is the newest in the cloud; 40 and 50 are written but still uploading.
-    steps = [10, 20, 30, 40, 50]
-    assert prunable(steps, set(steps), safe={10, 20, 30}, keep=2) == [10]
-    # keep counts checkpoints in the cloud: with keep=1 only 30 of them stays, plus the two on their way
-    assert prunable(steps, set(steps), safe={10, 20, 30}, keep=1) == [10, 20]
-
-
-def test_prune_deletes_nothing_before_anything_is_in_the_cloud():
-    # The rule before 0.2 deleted 10 and 20 here, and a disconnect then left no checkpoint in the cloud.
-    assert prunable([10, 20, 30, 40], {10, 20, 30, 40}, safe=set(), keep=1) == []
-
-
-def test_prune_removes_what_a_newer_cloud_checkpoint_supersedes_and_honours_protect():
-    # 20 was written but never confirmed, and 30 is in the cloud: 20 is no longer needed.
-    assert prunable([10, 20, 30], {10, 20, 30}, safe={10, 30}, keep=2) == [20]
-    assert prunable([10, 20, 30], {10, 20, 30}, safe={10, 30}, keep=1, protect={10}) == [20]
-    # a folder that no longer verifies is garbage even if it once reached the cloud; 10 stays
-    assert prunable([10, 20], {10}, safe={10, 20}, keep=1) == [20]

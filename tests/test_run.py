@@ -52,6 +52,7 @@ def test_start_prints_summary_and_lays_out_the_folder(drive, local, capsys):
     out = capsys.readouterr().out
     assert "colab_kit · run 't'" in out and f"persistent folder: {drive / 't'}" in out
     assert "no checkpoint found, starting fresh" in out and "host RAM limit" in out
+    assert "durability: a plain folder; a checkpoint counts as safe once written, fsynced and read back" in out
     assert run.drive_dir == drive / "t" and run.resume_from is None
     assert (run.drive_dir / "checkpoints").is_dir() and read_lease(run.drive_dir) is not None
     run.finish()

@@ -13,7 +13,8 @@ from colab_kit._notices import Notices
 from colab_kit.checkpoint import list_checkpoints
 from colab_kit.journal import Journal, read_events
 from colab_kit.manifest import MANIFEST, verify_folder
-from colab_kit.sync import Mirror, take_snapshot
+from colab_kit.snapshot import take_snapshot
+from colab_kit.sync import Mirror
 
 
 def local_checkpoint(local: Path, step: int, size: int = 50_000) -> Path:

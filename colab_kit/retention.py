@@ -1,0 +1,84 @@
+"""Which checkpoints to delete: only what a newer checkpoint *in the cloud* makes unnecessary.
+
+A delete is a small metadata operation and reaches Drive's cloud before a large pending upload
+does, so pruning on anything less than "a newer checkpoint is in the cloud" can leave no
+checkpoint in the cloud at all (shown on the DriveFS emulator in tests/test_cloud_e2e.py).
+`keep` counts checkpoints in the cloud; what is newer and still on its way is kept too.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Iterable
+
+from .checkpoint import list_checkpoints
+from .drivefs import DRIVEFS, UNCONFIRMED
+from .manifest import MANIFEST, read_manifest, verify_folder
+
+__all__ = ["prunable", "choose_doomed", "UNCONFIRMED_SETTLE_S"]
+
+# Without DriveFS's attributes, the newest checkpoint written this long ago (plus 1 s per MB) is
+# kept back from pruning: an assumption that it has probably reached the cloud, never reported
+# as "in the cloud".
+UNCONFIRMED_SETTLE_S = 600.0
+
+
+def prunable(steps: Iterable[int], valid: set[int], safe: set[int], keep: int,
+             protect: set[int] = frozenset()) -> list[int]:
+    """The checkpoints to delete, given which are valid and which are safe (in the cloud).
+
+    Keeps the `keep` newest safe checkpoints (so at least one always remains), anything newer than
+    the newest safe one that is still valid (it may be on its way to the cloud) and `protect`;
+    deletes everything else. With no safe checkpoint nothing is deleted: a deletion reaches the
+    cloud before a large pending upload does, so pruning on anything less can leave no checkpoint
+    in the cloud at all.
+    """
+    ranked = sorted(safe & valid, reverse=True)
+    if not ranked:
+        return []
+    kept = set(ranked[:keep]) | set(protect)
+    newest = ranked[0]
+    return sorted(s for s in steps if s not in kept and (s < newest or s not in valid))
+
+
+def choose_doomed(root: Path, *, kind: str, prune_after: str, confirmed: set[int], keep: int,
+                  protect: set[int], deleting: Iterable[Path] = ()) -> list[tuple[int, Path]]:
+    """The (step, folder) pairs under `root` to delete now.
+
+    Args:
+        kind: the folder's `drivefs` kind. On a DRIVEFS folder the safe checkpoints are those
+            `confirmed` in the cloud; on a plain folder written (and verified) is safe; on an
+            UNCONFIRMED Drive mount written counts too, but the newest checkpoint written long
+            enough ago is kept back as well.
+        prune_after: "cloud", or "written" for the rule before 0.2 (every valid one is safe).
+        protect: steps never deleted (the one being uploaded, the best one).
+        deleting: folders already being deleted.
+    """
+    deleting = set(deleting)
+    existing = [(s, p) for s, p in list_checkpoints(root) if p not in deleting]
+    manifests = {}
+    for step, path in existing:
+        try:
+            manifest = read_manifest(path)
+        except ValueError:
+            continue
+        if manifest.step == step and verify_folder(path, manifest, hashes=False) is None:
+            manifests[step] = (path, manifest)
+    valid = set(manifests)
+    protect = set(protect)
+    safe = confirmed if kind == DRIVEFS and prune_after == "cloud" else valid
+    if kind == UNCONFIRMED and prune_after == "cloud":
+        settled = [s for s, (p, m) in manifests.items()
+                   if _written_age(p) >= UNCONFIRMED_SETTLE_S + m.total_bytes / 1e6]
+        if settled:
+            protect.add(max(settled))
+    paths = dict(existing)
+    return [(step, paths[step]) for step in prunable(paths, valid, safe, keep, protect)]
+
+
+def _written_age(folder: Path) -> float:
+    try:
+        return time.time() - (folder / MANIFEST).stat().st_mtime
+    except OSError:
+        return 0.0
