@@ -227,3 +227,24 @@ def test_finish_flush_calls_colabs_flush_and_says_it_unmounted(drive, local, fak
     run.finish(flush=True)
     assert flushed == [True] and "UNMOUNTED" in capsys.readouterr().out
     assert read_events(run.drive_dir / "events.jsonl")[-1]["event"] == "flush"
+
+
+def test_an_upload_that_cannot_fit_is_not_started_and_the_numbers_are_said(emulated_drive, tmp_path):
+    drive = emulated_drive(rate=50e6, quota=5_000_000)
+    run_dir = drive.mountpoint / "run"
+    run_dir.mkdir()
+    journal = Journal(run_dir / "events.jsonl", local_copy=tmp_path / "events.jsonl")
+    notices = Notices()
+    mirror = Mirror(run_dir, keep=1, journal=journal, notices=notices, kind=DRIVEFS, backoff=(0.05, 0.1))
+    try:
+        mirror.submit(take_snapshot(checkpoint(tmp_path, 10, 3_000_000), tmp_path / ".snapshots", 10))
+        wait_until(lambda: mirror.tracker.all_in_cloud() and mirror.written_step == 10)
+        mirror.submit(take_snapshot(checkpoint(tmp_path, 20, 3_000_000), tmp_path / ".snapshots", 20))
+        wait_until(lambda: mirror.failures >= 1)
+    finally:
+        mirror.close()
+    warn = [e for e in read_events(tmp_path / "events.jsonl") if e.get("what") == "sync_failed"][0]
+    assert warn["errno"] == errno.ENOSPC and "free, but checkpoint-20 needs 2.9 MiB" in warn["error"]
+    assert "was not started" in warn["error"] and "Trash counts too" in warn["error"]
+    assert not (run_dir / "checkpoints" / "checkpoint-20").exists()  # nothing half-copied to clean up
+    assert verify_folder(run_dir / "checkpoints" / "checkpoint-10") is None
