@@ -158,7 +158,7 @@ def main() -> int:
     for label, pauses, wall in (("direct", direct_pauses, direct_wall), ("kit", kit_pauses, kit_wall)):
         print(f"{label:<8}{statistics.median(pauses):>20.3f}s  {statistics.median(wall):>9.1f}s  "
               + ", ".join(f"{p:.2f}" for p in pauses))
-    print(f"ratio kit/direct pause: {k / d:.3f} (target <= 0.10); every kit checkpoint durable "
+    print(f"ratio kit/direct pause: {k / d:.3f} (target <= 0.10); every kit checkpoint written "
           f"{statistics.median(kit_durable):.1f} s after training started (uploads overlap training)")
     return 0 if k / d <= 0.10 else 1
 

@@ -88,13 +88,13 @@ def main() -> int:
 
     print(f"\nwork at risk over {args.minutes:g} min of training, save_every={args.save_every!r}, "
           f"checkpoints of ~{checkpoint_mb(configs):.0f} MB, sampled once a second from the cloud folder:")
-    print(f"{'upload':>9}  {'rule':<44} {'median s':>9} {'max s':>8} {'no ckpt s':>10} {'in cloud':>9} {'interval s':>11}")
+    print(f"{'upload':>10}  {'rule':<47} {'median s':>9} {'max s':>8} {'no ckpt s':>10} {'in cloud':>9} {'interval s':>11}")
     for c in configs:
         events = c["job"].local_events()
         stretched = [e["interval_s"] for e in events if e["event"] == "warn" and e.get("what") == "save_interval"]
         cloud = len([e for e in events if e["event"] == "cloud" and "step" in e])
         risk = c["risk"] or [float("nan")]
-        print(f"{c['rate'] / 1e6:>5.0f} MB/s  {RULES[c['rule']]:<44} {statistics.median(risk):>9.0f} {max(risk):>8.0f} "
+        print(f"{c['rate'] / 1e6:>5.0f} MB/s  {RULES[c['rule']]:<47} {statistics.median(risk):>9.0f} {max(risk):>8.0f} "
               f"{c['empty_after_first']:>10d} {cloud:>9d} {stretched[-1] if stretched else '-':>11}")
     print("\n'no ckpt s': seconds, after the first checkpoint reached the cloud, with none there that holds "
           "together; 'in cloud': checkpoints confirmed (cloud events); 'interval s': the stretched save interval.")

@@ -101,10 +101,11 @@ class CloudTracker:
             if confirmed:
                 upload.confirmed, upload.confirmed_at, upload.pending_bytes = time.monotonic(), time.time(), 0
                 return True
-            if self.kind == PLAIN:
-                self._confirm(upload)
-                return True
-            return False
+            if self.kind != PLAIN:
+                return False
+            self._confirm(upload)
+        self._journal_confirmed([upload])
+        return True
 
     def forget(self, label: str) -> None:
         with self._lock:
@@ -112,30 +113,43 @@ class CloudTracker:
 
     # -- polling ---------------------------------------------------------------------------------
     def poll(self, force: bool = False) -> list[Upload]:
-        """Check the items whose poll is due (all with `force`); returns the newly confirmed."""
+        """Check the items whose poll is due (all with `force`); returns the newly confirmed.
+
+        The attributes are read outside the lock: a slow or hung mount delays only the poller,
+        never the training loop reading `summary()` for the gauges.
+        """
         now = time.monotonic()
+        with self._lock:
+            due = [u for u in self._items if u.confirmed is None and self.kind != UNCONFIRMED
+                   and (force or now >= u.next_poll)]
+        seen = []
+        for upload in due:
+            try:
+                seen.append((upload, *in_cloud(upload.folder, upload.files, self.kind)))
+            except FileNotFoundError:  # pruned, or replaced by a newer copy: nothing to confirm
+                seen.append((upload, None, 0))
+            except OSError as exc:  # Drive trouble: look again later
+                log.debug("cannot read the upload state of %s: %s", upload.folder, exc)
+                seen.append((upload, False, upload.pending_bytes))
         confirmed = []
         with self._lock:
-            for upload in list(self._items):
-                if upload.confirmed is not None or self.kind == UNCONFIRMED or (now < upload.next_poll and not force):
-                    continue
-                try:
-                    done, upload.pending_bytes = in_cloud(upload.folder, upload.files, self.kind)
-                except FileNotFoundError:  # pruned, or replaced by a newer copy: nothing to confirm
+            for upload, done, pending in seen:
+                if upload.confirmed is not None or upload not in self._items:
+                    continue  # confirmed by another poller meanwhile, or forgotten
+                if done is None:
                     self._items.remove(upload)
-                    continue
-                except OSError as exc:  # Drive trouble: look again later
-                    log.debug("cannot read the upload state of %s: %s", upload.folder, exc)
-                    done = False
-                if done:
+                elif done:
                     self._confirm(upload)
                     confirmed.append(upload)
                 else:
+                    upload.pending_bytes = pending
                     age = now - upload.written
                     upload.next_poll = now + min(POLL_MAX_S, max(POLL_MIN_S, 0.1 * age))
+        self._journal_confirmed(confirmed)
         return confirmed
 
     def _confirm(self, upload: Upload) -> None:
+        """Mark `upload` in the cloud and take a rate sample (with the lock held)."""
         now = time.monotonic()
         upload.confirmed, upload.confirmed_at, upload.pending_bytes = now, time.time(), 0
         # Uploads go one after another: this one had the line to itself from the moment it was
@@ -144,11 +158,15 @@ class CloudTracker:
         if upload.measure and now - began > 0.05 and upload.bytes > 0:
             self._samples = (self._samples + [upload.bytes / (now - began)])[-_RATE_SAMPLES:]
         self._last_confirmed = now
-        if self.journal is not None:
-            fields = {"step": upload.step} if upload.step is not None else {"what": "final"}
-            self.journal.write("cloud", **fields, seconds=round(upload.confirmed_at - upload.saved, 2),
-                               bytes=upload.bytes, rate_bps=round(self.rate_bps) if self.rate_bps else None)
-        log.info("%s is in the cloud (%s)", upload.label, format_bytes(upload.bytes))
+
+    def _journal_confirmed(self, uploads: list[Upload]) -> None:
+        for upload in uploads:
+            if self.journal is not None:
+                fields = {"step": upload.step} if upload.step is not None else {"what": "final"}
+                rate = self.rate_bps
+                self.journal.write("cloud", **fields, seconds=round(upload.confirmed_at - upload.saved, 2),
+                                   bytes=upload.bytes, rate_bps=round(rate) if rate else None)
+            log.info("%s is in the cloud (%s)", upload.label, format_bytes(upload.bytes))
 
     def next_poll_in(self) -> float | None:
         """Seconds until an item is due for polling; None when nothing waits."""

@@ -112,9 +112,15 @@ def is_drive_mount(path: str | os.PathLike) -> bool:
 
 
 def folder_kind(folder: str | os.PathLike, on_drive: bool = False) -> str:
-    """DRIVEFS, UNCONFIRMED or PLAIN for the persistent folder `folder` (which must exist)."""
+    """DRIVEFS, UNCONFIRMED or PLAIN for the persistent folder `folder` (which must exist).
+
+    The folder and a few files in it are asked (whether DriveFS gives folders the attributes
+    is not known; `start_run` has written the lease file there by then).
+    """
+    folder = Path(folder)
     try:
-        if read_upload(folder).has_attributes:
+        probes = [folder, *sorted(p for p in folder.iterdir() if p.is_file())[:3]]
+        if any(read_upload(path).has_attributes for path in probes):
             return DRIVEFS
     except OSError as exc:  # e.g. errno 107: decide from the mount itself
         log.debug("cannot read DriveFS attributes of %s: %s", folder, exc)

@@ -369,7 +369,10 @@ class Mirror:
             self.journal.write("prune", steps=[step for step, _ in doomed], trash_free=self.deleter.kind != PLAIN)
         for step, path in doomed:
             self.tracker.forget(f"checkpoint-{step}")
-            self.deleter.start(path, first=MANIFEST)
+            try:
+                self.deleter.start(path, first=MANIFEST)
+            except OSError as exc:  # Drive trouble: the folder is doomed again at the next pruning
+                log.info("could not delete %s yet: %s", path, exc)
         if doomed and self.deleter.kind != PLAIN and not self._told_trash:
             self._told_trash = True
             self.notices.add(f"deleted checkpoint-{doomed[0][0]} from Drive the Trash-free way: each file is emptied "
