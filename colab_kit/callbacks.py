@@ -69,18 +69,24 @@ class SaveScheduleCallback(TrainerCallback):
         return interval
 
     def _announce(self, interval: float, expected: float, *, stretched: bool) -> None:
-        tracker = self.run.mirror.tracker
         self._journaled_interval = interval
-        self.run.journal.write("warn", what="save_interval", interval_s=round(interval, 1),
-                               asked_s=self.run.save_every_s, expected_upload_s=round(expected, 1),
-                               rate_bps=round(tracker.rate_bps or 0), checkpoint_bytes=tracker.last_bytes)
+        self._journal_interval(interval, expected, asked_s=self.run.save_every_s)
         if stretched and not self._told:
             self._told = True
-            self.run.notices.add(
-                f"Drive uploads ~{format_bytes(tracker.rate_bps)}/s; a {format_bytes(tracker.last_bytes)} "
-                f"checkpoint needs ~{format_age(expected)}; saving every {format_age(interval)} instead of "
-                f"every {format_age(self.run.save_every_s)}, so that each checkpoint can reach the cloud "
-                f"before the next one")
+            self.run.notices.add(f"{self._drive_speed(expected)}; saving every {format_age(interval)} instead "
+                                 f"of every {format_age(self.run.save_every_s)}, so that each checkpoint can "
+                                 f"reach the cloud before the next one")
+
+    def _journal_interval(self, interval: float, expected: float, **asked) -> None:
+        tracker = self.run.mirror.tracker
+        self.run.journal.write("warn", what="save_interval", interval_s=round(interval, 1), **asked,
+                               expected_upload_s=round(expected, 1), rate_bps=round(tracker.rate_bps or 0),
+                               checkpoint_bytes=tracker.last_bytes)
+
+    def _drive_speed(self, expected: float) -> str:
+        tracker = self.run.mirror.tracker
+        return (f"Drive uploads ~{format_bytes(tracker.rate_bps)}/s; a {format_bytes(tracker.last_bytes)} "
+                f"checkpoint needs ~{format_age(expected)}")
 
     def on_save(self, args, state, control, **kwargs):
         since = self.run.clock.seconds - self._last_save_seconds
@@ -90,12 +96,9 @@ class SaveScheduleCallback(TrainerCallback):
             expected = tracker.expected_upload_s(tracker.last_bytes)
             if expected and expected > since > 0:
                 self._told = True
-                self.run.journal.write("warn", what="save_interval", interval_s=round(since, 1),
-                                       asked_steps=self.run.save_every_steps, expected_upload_s=round(expected, 1),
-                                       rate_bps=round(tracker.rate_bps or 0), checkpoint_bytes=tracker.last_bytes)
+                self._journal_interval(since, expected, asked_steps=self.run.save_every_steps)
                 self.run.notices.add(
-                    f"Drive uploads ~{format_bytes(tracker.rate_bps)}/s; a {format_bytes(tracker.last_bytes)} "
-                    f"checkpoint needs ~{format_age(expected)}, but saves come every {format_age(since)} "
+                    f"{self._drive_speed(expected)}, but saves come every {format_age(since)} "
                     f"({self.run.save_every_steps} steps): newer checkpoints replace ones still waiting "
                     f"for Drive. A duration such as save_every=\"{max(1, round(STRETCH * expected / 60))}min\" "
                     f"stretches by itself")

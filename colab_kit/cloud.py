@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ._notices import Countdown
 from ._units import format_age, format_bytes
 from .drivefs import PLAIN, UNCONFIRMED, in_cloud
 from .journal import Journal
@@ -220,6 +221,29 @@ class CloudTracker:
 
     def all_in_cloud(self) -> bool:
         return self.kind != UNCONFIRMED and not self.pending()
+
+    def wait(self, deadline: float | None) -> bool:
+        """Poll until everything written is in the cloud or `deadline` (monotonic) passes, showing
+        a countdown (main thread only); False at once on a folder that cannot confirm uploads."""
+        countdown = None
+        while True:
+            self.poll()
+            if self.all_in_cloud() or self.kind == UNCONFIRMED:
+                return self.all_in_cloud()
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return False
+            countdown = countdown or Countdown()
+            eta, rate = self.eta_s(), self.rate_bps
+            countdown.show(f"colab_kit: waiting for Drive to upload {format_bytes(self.pending_bytes)} "
+                           f"({self.pending_labels()})"
+                           + (f": ~{format_age(eta)} left at {format_bytes(rate)}/s" if eta and rate else "")
+                           + (f"; giving up in {format_age(left)}" if left is not None else ""))
+            time.sleep(min(1.0, left) if left is not None else 1.0)
+
+    def pending_labels(self) -> str:
+        """"checkpoint-60, final/": what is written and not yet in the cloud."""
+        return ", ".join(u.label + ("/" if u.step is None else "") for u in self.pending())
 
     def summary(self) -> dict:
         """The facts `run.status()`, finish and the gauges report."""

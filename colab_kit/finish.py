@@ -9,20 +9,19 @@ from __future__ import annotations
 
 import time
 
-from ._notices import Countdown
 from ._units import format_age, format_bytes
 from .drive import flush_hint
 from .drivefs import PLAIN, UNCONFIRMED
 from .run import _ACTIVE
 
-__all__ = ["finish_run", "wait_for_cloud", "report", "flush_drive"]
+__all__ = ["finish_run", "report", "flush_drive"]
 
 
 def finish_run(run, timeout: float | None, status: str, *, flush: bool = False, cloud_wait: bool = True) -> dict:
     """The body of `Run.finish` (see its docstring); `cloud_wait=False` at the end of `run.train`."""
     deadline = None if timeout is None else time.monotonic() + timeout
     if run._finished:  # again: wait for what is still on its way to the cloud
-        in_cloud = wait_for_cloud(run, deadline)
+        in_cloud = run.mirror.tracker.wait(deadline)
         if in_cloud and run.lease.still_ours():  # what reached the cloud since allows pruning
             run.mirror.prune_now(deadline if deadline is not None else time.monotonic() + 60)
         summary = run.status() | {k: run._summary[k] for k in ("status", "synced")} | {"in_cloud": in_cloud}
@@ -44,7 +43,7 @@ def finish_run(run, timeout: float | None, status: str, *, flush: bool = False, 
         run.notices.show()
         return summary
     if cloud_wait and not run.mirror.paused:
-        in_cloud = wait_for_cloud(run, deadline)
+        in_cloud = run.mirror.tracker.wait(deadline)
     else:
         run.mirror.tracker.poll(force=True)
         in_cloud = run.mirror.tracker.all_in_cloud()
@@ -68,31 +67,11 @@ def finish_run(run, timeout: float | None, status: str, *, flush: bool = False, 
         flush_drive(run)
     return dict(summary)
 
-def wait_for_cloud(run, deadline: float | None) -> bool:
-    """Poll until everything written is in the cloud or `deadline` passes, with a countdown."""
-    tracker = run.mirror.tracker
-    countdown = None
-    while True:
-        tracker.poll()
-        if tracker.all_in_cloud() or tracker.kind == UNCONFIRMED:
-            return tracker.all_in_cloud()
-        left = None if deadline is None else deadline - time.monotonic()
-        if left is not None and left <= 0:
-            return False
-        countdown = countdown or Countdown()
-        eta, rate = tracker.eta_s(), tracker.rate_bps
-        labels = ", ".join(u.label + ("/" if u.step is None else "") for u in tracker.pending())
-        countdown.show(f"colab_kit: waiting for Drive to upload {format_bytes(tracker.pending_bytes)} ({labels})"
-                       + (f": ~{format_age(eta)} left at {format_bytes(rate)}/s" if eta and rate else "")
-                       + (f"; giving up in {format_age(left)}" if left is not None else ""))
-        time.sleep(min(1.0, left) if left is not None else 1.0)
-
-
 def report(run, summary: dict, *, waited: bool = True, again: bool = False) -> None:
     """The one status line of finish(): what is in the cloud, and plainly what is not."""
     tracker = run.mirror.tracker
     newest, pending = tracker.newest_in_cloud(), tracker.pending()
-    labels = ", ".join(u.label + ("/" if u.step is None else "") for u in pending)
+    labels = tracker.pending_labels()
     head = f"colab_kit: run {run.name!r} " + (f"is already finished ({summary['status']})" if again
                                               else summary["status"])
     if run.durability == PLAIN:

@@ -154,7 +154,8 @@ class Lease:
             time.sleep(min(1.0, left, previous.heartbeat_s / 10))
             current = read_lease(self.path)
             if current is None or current.released:
-                break  # gone or released meanwhile: free
+                self.took_over_because = "it was released while this runtime watched it"
+                return True
             if current.session != previous.session or current.heartbeat != previous.heartbeat:
                 return False  # alive (or a third runtime claimed it)
         self.took_over_because = f"its heartbeat did not advance in {format_age(window)}"

@@ -18,16 +18,16 @@ from __future__ import annotations
 import logging
 import os
 import random
-import time
 import shutil
 import tempfile
+import time
 import uuid
 from pathlib import Path
 
 from . import storage
 from ._notices import Notices
 from .checkpoint import CHECKPOINTS, checkpoint_dir, find_latest, list_checkpoints, model_signature
-from .drivefs import UNCONFIRMED, folder_kind
+from .drivefs import folder_kind
 from .errors import CheckpointError, ResumeMismatchError
 from .journal import EVENTS, Journal
 from .snapshot import SNAPSHOTS, take_snapshot
@@ -215,15 +215,9 @@ class CheckpointStore:
         """Block until every saved checkpoint is written to `dir` and in the cloud; False on timeout
         (and always False on a Drive mount that cannot confirm uploads)."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        done = self._mirror.drain(timeout)
-        tracker = self._mirror.tracker
-        while done and not tracker.all_in_cloud() and tracker.kind != UNCONFIRMED:
-            if deadline is not None and time.monotonic() >= deadline:
-                break
-            tracker.poll()
-            time.sleep(0.2)
+        done = self._mirror.drain(timeout) and self._mirror.tracker.wait(deadline)
         self._notices.show()
-        return done and tracker.all_in_cloud()
+        return done
 
     def close(self, timeout: float | None = 600) -> bool:
         """Wait for pending uploads (up to `timeout` seconds) and stop the worker; idempotent."""

@@ -46,6 +46,14 @@ def fake_run(save_every_s=None, save_every_steps=None, clock=None, resumed=False
                                  journal=FakeJournal(), notices=Notices(), save_interval_s=save_every_s)
 
 
+def begin(run, max_steps, global_step=0):
+    """The schedule of `run`, after on_train_begin at `global_step`."""
+    cb = SaveScheduleCallback(run)
+    state = TrainerState(max_steps=max_steps, global_step=global_step)
+    cb.on_train_begin(None, state, TrainerControl())
+    return cb, state
+
+
 def step(cb, state, n):
     state.global_step = n
     control = TrainerControl()
@@ -57,9 +65,7 @@ def step(cb, state, n):
 
 def test_time_interval_counts_training_time():
     clock = FakeClock()
-    cb = SaveScheduleCallback(fake_run(save_every_s=600, clock=clock))
-    state = TrainerState(max_steps=1000)
-    cb.on_train_begin(None, state, TrainerControl())
+    cb, state = begin(fake_run(save_every_s=600, clock=clock), 1000)
     clock.seconds = 599
     assert not step(cb, state, 1)
     clock.seconds = 600
@@ -74,9 +80,7 @@ def test_time_interval_carries_over_a_resume():
     # Saved at 3000 s of training; the restored clock starts there, so the next save is due
     # 600 s of training later, not 600 s after the wall-clock start of the new session.
     clock = FakeClock(3000)
-    cb = SaveScheduleCallback(fake_run(save_every_s=600, clock=clock, resumed=True))
-    state = TrainerState(max_steps=1000, global_step=40)
-    cb.on_train_begin(None, state, TrainerControl())
+    cb, state = begin(fake_run(save_every_s=600, clock=clock, resumed=True), 1000, global_step=40)
     clock.seconds = 3599
     assert not step(cb, state, 41)
     clock.seconds = 3600
@@ -84,9 +88,7 @@ def test_time_interval_carries_over_a_resume():
 
 
 def test_step_interval_and_final_step():
-    cb = SaveScheduleCallback(fake_run(save_every_steps=10))
-    state = TrainerState(max_steps=25)
-    cb.on_train_begin(None, state, TrainerControl())
+    cb, state = begin(fake_run(save_every_steps=10), 25)
     saves = [n for n in range(1, 26) if step(cb, state, n)]
     assert saves == [10, 20, 25]
 
@@ -95,9 +97,7 @@ def test_a_time_interval_stretches_to_what_drive_absorbs_and_says_so_once(capsys
     # 10 MB checkpoints at 100 kB/s take 100 s to upload: "every 30s" becomes 125 s (25 % room).
     clock = FakeClock()
     run = fake_run(save_every_s=30, clock=clock, rate_bps=100_000, last_bytes=10_000_000)
-    cb = SaveScheduleCallback(run)
-    state = TrainerState(max_steps=1000)
-    cb.on_train_begin(None, state, TrainerControl())
+    cb, state = begin(run, 1000)
     clock.seconds = 31
     assert not step(cb, state, 1)
     assert run.save_interval_s == pytest.approx(125)
@@ -119,9 +119,7 @@ def test_a_time_interval_stretches_to_what_drive_absorbs_and_says_so_once(capsys
 def test_a_step_interval_is_kept_but_a_slow_drive_is_pointed_out(capsys):
     clock = FakeClock()
     run = fake_run(save_every_steps=10, clock=clock, rate_bps=100_000, last_bytes=10_000_000)
-    cb = SaveScheduleCallback(run)
-    state = TrainerState(max_steps=100)
-    cb.on_train_begin(None, state, TrainerControl())
+    cb, state = begin(run, 100)
     saves = []
     for n in range(1, 31):
         clock.seconds = n * 2.0  # 20 s between saves, 100 s per upload
