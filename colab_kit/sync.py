@@ -83,7 +83,6 @@ class Mirror:
         self.deleter = TrashFreeDeleter(kind if prune_after == "cloud" else PLAIN)
         self.protected: set[int] = set()  # steps never pruned
         self.written_step: int | None = None
-        self.written_time: float | None = None
         self.failures = 0  # consecutive failed attempts
         self.total_failures = 0
         self.unsynced_reason: str | None = None
@@ -346,7 +345,7 @@ class Mirror:
             self._check_space(snap)
             publish_folder(snap.path, target, manifest)
         seconds = time.monotonic() - started
-        self.written_step, self.written_time = snap.step, time.time()
+        self.written_step = snap.step
         if self.failures:
             self.notices.add(f"sync to {self.run_dir} works again; checkpoint-{snap.step} is written")
         self.failures, self.unsynced_reason = 0, None
