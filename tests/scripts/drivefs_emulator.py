@@ -28,11 +28,13 @@ from __future__ import annotations
 
 import argparse
 import collections
+import faulthandler
 import errno
 import hashlib
 import itertools
 import os
 import shutil
+import signal
 import sys
 import threading
 import time
@@ -155,9 +157,10 @@ class DriveFS(fuse.Operations):
                         ahead = sent / self.rate - (time.monotonic() - started)
                         if ahead > 0:
                             time.sleep(ahead)
-            except FileNotFoundError:  # unlinked while queued
+            except FileNotFoundError:  # unlinked, or renamed before it could be opened: follow it
                 with self._lock:
                     node.uploading = None
+                    self._enqueue(node)  # (a no-op for an unlinked node)
                 if os.path.exists(tmp):
                     os.unlink(tmp)
                 continue
@@ -398,6 +401,7 @@ def main() -> None:
     parser.add_argument("--quota", type=int, default=None, help="bytes of cache + Trash before ENOSPC")
     parser.add_argument("--no-attrs", action="store_true", help="answer ENODATA for the DriveFS attributes")
     args = parser.parse_args()
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>`: every thread's stack, to the log
     os.makedirs(args.cloud, exist_ok=True)
     ops = DriveFS(os.path.abspath(args.cache), os.path.abspath(args.cloud), os.path.abspath(args.trash),
                   args.rate, args.quota, not args.no_attrs)
