@@ -58,17 +58,17 @@ def run_notebook(notebook: str, parameters: dict, output: str | None, timeout: i
 
 def _cloud_state(folder: Path, manifest, kind: str) -> tuple[str, int]:
     """("in the cloud" | "uploading: ..." | ..., bytes not yet in the cloud) of a valid folder."""
-    from .cloud import upload_for
+    from .cloud import cloud_files
     from .drivefs import DRIVEFS, UNCONFIRMED, in_cloud
 
     if kind == UNCONFIRMED:
         return "written, upload not confirmed", manifest.total_bytes
+    if kind != DRIVEFS:  # a plain folder: valid is all there is to say
+        return "", 0
     try:
-        done, pending = in_cloud(folder, upload_for(folder, manifest, folder.name).files, kind)
+        done, pending = in_cloud(folder, cloud_files(folder, manifest), kind)
     except OSError as exc:
         return f"upload state unreadable ({exc.strerror})", 0
-    if kind != DRIVEFS:
-        return "", 0
     return ("in the cloud", 0) if done else (f"uploading: {format_bytes(pending)} not yet in the cloud", pending)
 
 

@@ -29,7 +29,7 @@ from .drivefs import PLAIN, UNCONFIRMED, in_cloud
 from .journal import Journal
 from .manifest import MANIFEST, Manifest
 
-__all__ = ["Upload", "CloudTracker", "upload_for"]
+__all__ = ["Upload", "CloudTracker", "cloud_files", "upload_for"]
 
 log = logging.getLogger(__name__)
 POLL_MIN_S, POLL_MAX_S = 0.1, 15.0
@@ -55,14 +55,21 @@ class Upload:
     next_poll: float = 0.0
 
 
-def upload_for(folder: Path, manifest: Manifest, label: str, *, saved: float | None = None,
-               started: float | None = None, measure: bool = True) -> Upload:
-    """The `Upload` of a published folder whose MANIFEST.json is `manifest`."""
+def cloud_files(folder: Path, manifest: Manifest) -> dict[str, str | None]:
+    """What must be in the cloud for `folder` to be: name -> our md5 (None: not known), its
+    MANIFEST.json included."""
     files: dict[str, str | None] = {name: entry.md5 or None for name, entry in manifest.files.items()}
     try:
         files[MANIFEST] = hashlib.md5((folder / MANIFEST).read_bytes()).hexdigest()
     except OSError:
         files[MANIFEST] = None
+    return files
+
+
+def upload_for(folder: Path, manifest: Manifest, label: str, *, saved: float | None = None,
+               started: float | None = None, measure: bool = True) -> Upload:
+    """The `Upload` of a published folder whose MANIFEST.json is `manifest`."""
+    files = cloud_files(folder, manifest)
     now = time.monotonic()
     return Upload(label=label, step=manifest.step if label != "final" else None, folder=folder, files=files,
                   bytes=manifest.total_bytes, saved=manifest.created if saved is None else saved,
