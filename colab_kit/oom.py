@@ -6,10 +6,10 @@ effective batch, the learning-rate schedule and the data order never change. Eac
 micro-batch's loss is weighted by its share of the batch's label items (tokens for a causal
 LM, samples for classification), so a split step gives the same gradient as the unsplit one.
 
-accelerate's `find_executable_batch_size` matches message text only and cleans up inside the
+Which errors count as out of memory is `oomforms.py`'s table; how a batch is cut into
+micro-batches is `batching.py`. accelerate's `find_executable_batch_size` cleans up inside the
 `except` block, where the exception still holds the failing frames (and their tensors); here
-the type is checked along the whole cause/context chain, and memory is freed after the
-`except` block has ended.
+memory is freed after the `except` block has ended.
 """
 
 from __future__ import annotations
@@ -23,66 +23,14 @@ from collections.abc import Mapping
 from typing import Any, Callable
 
 from ._units import format_bytes
+from .batching import batch_size, split_batch
 from .errors import ColabKitError, ColabKitWarning
+from .oomforms import is_fatal_cuda_error, is_oom_error
 
 __all__ = ["is_oom_error", "is_fatal_cuda_error", "free_memory", "OutOfMemoryError", "MicroBatcher",
            "split_batch", "batch_size", "memory_numbers", "describe_memory", "configure_allocator"]
 
 log = logging.getLogger(__name__)
-
-# Lower-cased fragments of every OOM message PyTorch and its backends produce.
-_OOM_MESSAGES = (
-    "cuda out of memory",
-    "cuda error: out of memory",
-    "cublas_status_alloc_failed",
-    "cudnn_status_not_supported",  # cuDNN's answer to a workspace it cannot allocate (large batch)
-    "hip out of memory",
-    "xpu out of memory",
-    "mps backend out of memory",
-    "defaultcpuallocator: can't allocate memory",
-)
-# Errors that leave the CUDA context broken: never retried, they need a runtime restart.
-_FATAL_CUDA = ("device-side assert", "illegal memory access", "unspecified launch failure",
-               "misaligned address", "an illegal instruction", "cuda error: ")
-
-
-def _chain(exc: BaseException | None):
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        yield exc
-        exc = exc.__cause__ or exc.__context__
-
-
-def _is_oom_single(exc: BaseException) -> bool:
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(exc, getattr(torch, "OutOfMemoryError", ())):
-        return True
-    if isinstance(exc, MemoryError):  # host RAM (Python's own), and the kit's OutOfMemoryError
-        return True
-    text = str(exc).lower()
-    return any(fragment in text for fragment in _OOM_MESSAGES)
-
-
-def is_oom_error(exc: BaseException) -> bool:
-    """True for every out-of-memory error, anywhere in the exception's cause/context chain.
-
-    Recognises `torch.OutOfMemoryError` and `MemoryError` by type and the known messages of
-    CUDA, cuBLAS, cuDNN (a large batch), HIP, XPU, MPS and the CPU allocator. False for device-side asserts, illegal
-    memory accesses and other CUDA errors: those break the CUDA context and need a restart.
-
-    Example:
-        >>> is_oom_error(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"))
-        True
-    """
-    return any(_is_oom_single(e) for e in _chain(exc))
-
-
-def is_fatal_cuda_error(exc: BaseException) -> bool:
-    """A CUDA error (not an OOM) after which the runtime must be restarted."""
-    if is_oom_error(exc):
-        return False
-    return any(fragment in str(e).lower() for e in _chain(exc) for fragment in _FATAL_CUDA)
 
 
 class OutOfMemoryError(ColabKitError, MemoryError):
@@ -174,93 +122,6 @@ def free_memory(verbose: bool = True) -> dict:
             print(f"colab_kit: released {format_bytes(max(freed, 0))} of host memory "
                   f"({describe_memory(after)}); no CUDA in use")
     return {"dropped_references": dropped, "before": before, "after": after}
-
-
-# -- splitting a batch --------------------------------------------------------------------------
-
-def batch_size(batch) -> int:
-    """Rows in a batch: the first dimension of its first tensor."""
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(batch, torch.Tensor):
-        return int(batch.shape[0])
-    values = batch.values() if isinstance(batch, Mapping) else batch
-    for value in values:
-        if hasattr(value, "shape") and len(value.shape) > 0:
-            return int(value.shape[0])
-        if isinstance(value, (list, tuple)):
-            return len(value)
-    raise ValueError("cannot tell the batch size: the batch holds no tensor or list")
-
-
-def _slice(value, start: int, stop: int, rows: int):
-    if hasattr(value, "shape") and len(value.shape) > 0 and value.shape[0] == rows:
-        return value[start:stop]
-    if isinstance(value, (list, tuple)) and len(value) == rows:
-        return value[start:stop]
-    return value  # per-batch values (flags, scalars) go to every micro-batch
-
-
-def _sorted_by_length(batch: Mapping, rows: int) -> Mapping:
-    """The batch's rows ordered by their attention-mask length (stable; unchanged without a mask)."""
-    mask = batch.get("attention_mask")
-    if mask is None or not hasattr(mask, "ndim") or mask.ndim != 2 or mask.shape[0] != rows:
-        return batch
-    order = mask.sum(dim=1).argsort(stable=True)
-    if bool((order == order.new_tensor(range(rows))).all()):
-        return batch
-    index = order.tolist()
-
-    def take(value):
-        if isinstance(value, type(order)) and value.ndim > 0 and value.shape[0] == rows:
-            return value[order.to(value.device)]
-        if hasattr(value, "shape") and len(value.shape) > 0 and value.shape[0] == rows:  # numpy
-            return value[index]
-        if isinstance(value, (list, tuple)) and len(value) == rows:
-            return type(value)(value[i] for i in index)
-        return value
-
-    return {k: take(v) for k, v in batch.items()}  # a plain dict, as the micro-batches are
-
-
-def _trim_right_padding(chunk: dict) -> dict:
-    """Cut padding columns that no row of the micro-batch uses (dynamic padding per micro-batch)."""
-    mask = chunk.get("attention_mask")
-    if mask is None or not hasattr(mask, "ndim") or mask.ndim != 2:
-        return chunk
-    used = mask.sum(dim=0).nonzero()
-    if used.numel() == 0:
-        return chunk
-    length, full = int(used.max()) + 1, mask.shape[1]
-    if length == full or not bool(mask[:, :length].any(dim=0).all()):  # left padding: leave it
-        return chunk
-    # contiguous: losses such as the masked LM's view the labels flat
-    return {k: (v[:, :length].contiguous() if hasattr(v, "ndim") and v.ndim >= 2 and v.shape[1] == full else v)
-            for k, v in chunk.items()}
-
-
-def split_batch(batch, micro: int, trim_padding: bool = True) -> list:
-    """Split a batch (dict, tuple/list or tensor) into micro-batches of at most `micro` rows.
-
-    With `trim_padding`, a dict batch that is split is first ordered by length (its attention
-    mask), so that rows of similar length share a micro-batch, and each micro-batch is then cut
-    to its own longest row. The rows are the same, only grouped differently, so a gradient
-    summed over the micro-batches is the whole batch's; the padding computed on shrinks (with
-    the nRC lengths, 8,192 padded tokens per 32-row batch become about 5,500 in micro-batches of 8).
-    """
-    rows = batch_size(batch)
-    if trim_padding and micro < rows and isinstance(batch, Mapping):
-        batch = _sorted_by_length(batch, rows)
-    chunks = []
-    for start in range(0, rows, max(1, micro)):
-        stop = min(rows, start + micro)
-        if isinstance(batch, Mapping):
-            chunk = {k: _slice(v, start, stop, rows) for k, v in batch.items()}
-            chunks.append(_trim_right_padding(chunk) if trim_padding and stop - start < rows else chunk)
-        elif isinstance(batch, (list, tuple)) and not hasattr(batch, "shape"):
-            chunks.append(type(batch)(_slice(v, start, stop, rows) for v in batch))
-        else:
-            chunks.append(batch[start:stop])
-    return chunks
 
 
 def _agree(micro: int, failed: bool) -> tuple[int, bool]:

@@ -9,6 +9,8 @@ import torch
 
 import colab_kit as ck
 from colab_kit.oom import MicroBatcher, is_fatal_cuda_error, split_batch
+from colab_kit.oomforms import OOM_FORMS as FORM_TABLE
+from colab_kit.oomforms import oom_form
 
 
 def _wrapped(inner, how):
@@ -23,9 +25,16 @@ def _wrapped(inner, how):
         return outer
 
 
+def _accelerator_error(text, code):
+    exc = torch.AcceleratorError(text)
+    exc.error_code = code  # what torch/csrc/Exceptions.cpp sets from c10::AcceleratorError
+    return exc
+
+
 OOM_FORMS = [
     torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 14.75 GiB total capacity)"),
     torch.cuda.OutOfMemoryError("anything: the type alone is enough"),
+    RuntimeError("CUDA out of memory. Tried to allocate 20.00 MiB"),  # before torch 1.13 it was a RuntimeError
     RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported"),
     RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"),
     RuntimeError("cuDNN error: CUDNN_STATUS_NOT_SUPPORTED. This error may appear if you passed in a "
@@ -37,6 +46,14 @@ OOM_FORMS = [
                   "you tried to allocate 10737418240 bytes. Error code 12 (Cannot allocate memory)"),
     MemoryError(),
     ck.OutOfMemoryError("even a micro-batch of 1 does not fit"),
+    # Issue 13: the forms the kit missed.
+    RuntimeError("CUDA driver error: out of memory"),  # expandable segments (cuMemCreate)
+    RuntimeError("cuDNN error: CUDNN_STATUS_ALLOC_FAILED"),
+    torch.AcceleratorError("HIP error: out of memory\nHIP kernel errors might be asynchronously reported at "
+                           "some other API call, so the stacktrace below might be incorrect."),
+    _accelerator_error("CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported", 2),
+    RuntimeError("[enforce fail at alloc_cpu.cpp:114] data. DefaultCPUAllocator: not enough memory: you "
+                 "tried to allocate 8589934592 bytes."),
 ]
 NOT_OOM = [
     RuntimeError("CUDA error: device-side assert triggered\nCompile with `TORCH_USE_CUDA_DSA`"),
@@ -46,6 +63,15 @@ NOT_OOM = [
     ValueError("Expected input batch_size (16) to match target batch_size (32)."),
     KeyError("labels"),
     RuntimeError("mat1 and mat2 shapes cannot be multiplied (16x32 and 64x2)"),
+    # cuDNN v8's warning (aten/src/ATen/native/cudnn/Conv_v8.cpp), an error only under
+    # warnings.simplefilter("error"): a plan that is not supported, not a lack of memory.
+    UserWarning("Plan failed with a cudnnException: CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR: cudnnFinalize "
+                "Descriptor Failed cudnn_status: CUDNN_STATUS_NOT_SUPPORTED (Triggered internally at "
+                "/pytorch/aten/src/ATen/native/cudnn/Conv_v8.cpp:919.)"),
+    RuntimeError("CUDA driver error: invalid argument"),
+    _accelerator_error("CUDA error: an illegal memory access was encountered", 700),
+    _accelerator_error("HIP error: unspecified launch failure", 719),
+    _accelerator_error("probability tensor contains either `inf`, `nan` or element < 0", 2),  # MPS, not CUDA
 ]
 
 
@@ -56,12 +82,28 @@ def test_every_oom_form_is_recognised_also_when_wrapped(exc, how):
 
 
 @pytest.mark.parametrize("exc", NOT_OOM, ids=lambda e: str(e)[:40])
-@pytest.mark.parametrize("how", ["direct", "cause"])
+@pytest.mark.parametrize("how", ["direct", "cause", "context"])
 def test_other_errors_are_not_oom(exc, how):
     assert not ck.is_oom_error(exc if how == "direct" else _wrapped(exc, how))
 
 
+def test_every_form_of_the_table_is_exercised_and_names_its_source():
+    hit = {oom_form(exc).name for exc in OOM_FORMS}
+    assert hit == {form.name for form in FORM_TABLE}
+    assert all(len(form.source) > 20 for form in FORM_TABLE)
+
+
+def test_the_new_forms_are_found_by_the_right_entry():
+    assert oom_form(OOM_FORMS[-5]).name == "CUDA driver API"
+    assert oom_form(OOM_FORMS[-4]).name == "cuDNN allocation"
+    assert oom_form(OOM_FORMS[-3]).name == "HIP runtime API"
+    assert oom_form(OOM_FORMS[-2]).name == "torch.AcceleratorError with an out-of-memory code"
+    assert oom_form(OOM_FORMS[-1]).name == "CPU allocator (Windows)"
+
+
 def test_fatal_cuda_errors_are_told_apart():
+    assert is_fatal_cuda_error(NOT_OOM[-2]) and is_fatal_cuda_error(NOT_OOM[-3])  # AcceleratorErrors
+    assert not is_fatal_cuda_error(OOM_FORMS[-3]) and not is_fatal_cuda_error(OOM_FORMS[-2])
     assert is_fatal_cuda_error(NOT_OOM[0]) and is_fatal_cuda_error(NOT_OOM[1])
     assert not is_fatal_cuda_error(OOM_FORMS[2]) and not is_fatal_cuda_error(NOT_OOM[4])
 
