@@ -15,6 +15,7 @@ from pathlib import Path
 from transformers import TrainerCallback
 
 from ._units import format_age, format_bytes
+from .best import restore_best, step_of
 from .checkpoint import checkpoint_dir
 from .snapshot import SNAPSHOTS, take_snapshot
 
@@ -118,12 +119,15 @@ class DriveSyncCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if model is not None and self.run.fingerprint is None:  # used without run.train()
             self.run.check_compatible(model, args)
+        restore_best(self.run.resume_best, args, state)
 
     def on_save(self, args, state, control, **kwargs):
         if not state.is_world_process_zero:
             return
         started = time.perf_counter()
         step = state.global_step
+        # Set before the upload is queued: a queued best checkpoint is never superseded.
+        self.run.mirror.best_step = step_of(state.best_model_checkpoint)
         folder = checkpoint_dir(Path(args.output_dir), step)
         if not folder.is_dir():
             self.run.notices.add(f"the Trainer reported a save at step {step} but {folder} does not exist")

@@ -119,7 +119,7 @@ def publish_folder(source: Path, target: Path, manifest: Manifest) -> None:
 
 
 def find_latest(places: Iterable[tuple[str, Path]], local_root: Path,
-                on_skip: Callable[[Path, str], None]) -> Found | None:
+                on_skip: Callable[[Path, str], None], *, step: int | None = None) -> Found | None:
     """The newest checkpoint that verifies, across several places, copied to `local_root`.
 
     Args:
@@ -127,11 +127,13 @@ def find_latest(places: Iterable[tuple[str, Path]], local_root: Path,
             steps the local one wins (no copy needed).
         local_root: where a checkpoint from Drive is copied to (verifying every sha256).
         on_skip: called with (folder, reason) for every checkpoint that does not verify.
+        step: only this step (the Trainer's best checkpoint), instead of the newest.
     """
     candidates = []
     for origin, root in places:
-        for step, path in list_checkpoints(root):
-            candidates.append((step, origin == "local", origin, path))
+        for found_step, path in list_checkpoints(root):
+            if step is None or found_step == step:
+                candidates.append((found_step, origin == "local", origin, path))
     candidates.sort(key=lambda c: (c[0], c[1]), reverse=True)
     for step, _, origin, path in candidates:
         try:

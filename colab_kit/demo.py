@@ -48,7 +48,8 @@ def toy_classification(n: int = 512, length: int = 24, seed: int = 0):
 
 
 def tiny_trainer(run, *, max_steps: int = 60, batch_size: int = 16, dropout: float = 0.1,
-                 seed: int = 0, train_dataset=None, callbacks=None, vocab_size: int = VOCAB, **training_args):
+                 seed: int = 0, train_dataset=None, callbacks=None, vocab_size: int = VOCAB,
+                 eval_dataset=None, compute_metrics=None, **training_args):
     """A Trainer for the tiny BERT that writes to `run.local_dir`."""
     import torch
     from transformers import BertForSequenceClassification, Trainer, TrainingArguments
@@ -60,7 +61,7 @@ def tiny_trainer(run, *, max_steps: int = 60, batch_size: int = 16, dropout: flo
                     disable_tqdm=True, seed=seed)
     args = TrainingArguments(str(run.local_dir), **(defaults | training_args))
     return Trainer(model=model, args=args, train_dataset=train_dataset or toy_classification(seed=seed),
-                   callbacks=callbacks)
+                   eval_dataset=eval_dataset, compute_metrics=compute_metrics, callbacks=callbacks)
 
 
 def main(argv: list[str] | None = None) -> int:

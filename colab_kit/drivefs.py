@@ -29,8 +29,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ._units import format_bytes
+
 __all__ = ["UNCOMMITTED", "ITEM_ID", "MD5", "DRIVEFS", "UNCONFIRMED", "PLAIN", "FileUpload",
-           "read_upload", "folder_kind", "is_drive_mount", "in_cloud", "describe_kind", "TrashFreeDeleter"]
+           "read_upload", "folder_kind", "is_drive_mount", "in_cloud", "describe_kind", "check_space",
+           "TrashFreeDeleter"]
 
 UNCOMMITTED = "user.drive.uncommitted"
 ITEM_ID = "user.drive.id"
@@ -156,6 +159,26 @@ def in_cloud(folder: Path, files: dict[str, str | None], kind: str) -> tuple[boo
         if kind == UNCONFIRMED or not read_upload(path).in_cloud(md5):
             pending += path.stat().st_size
     return pending == 0 and kind != UNCONFIRMED, pending
+
+
+def check_space(folder: Path, needed: int, pending: int, what: str) -> None:
+    """Refuse to start an upload that cannot fit: a full Drive fails it half-way, and cleaning up
+    the half-copy fills the Trash.
+
+    Raises:
+        OSError(ENOSPC): less free space than `needed` plus `pending` (written, not yet uploaded).
+    """
+    try:
+        st = os.statvfs(folder)
+    except OSError:
+        return
+    if not st.f_blocks:  # the filesystem reports no size
+        return
+    free = st.f_bavail * st.f_frsize
+    if free < needed + pending:
+        raise OSError(errno.ENOSPC, f"{folder} has {format_bytes(free)} free, but {what} needs "
+                      f"{format_bytes(needed)} plus {format_bytes(pending)} still uploading, so its upload "
+                      f"was not started. Free space on Drive (its Trash counts too) or lower keep")
 
 
 class TrashFreeDeleter:

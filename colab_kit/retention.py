@@ -25,7 +25,7 @@ UNCONFIRMED_SETTLE_S = 600.0
 
 
 def prunable(steps: Iterable[int], valid: set[int], safe: set[int], keep: int,
-             protect: set[int] = frozenset()) -> list[int]:
+             protect: set[int] = frozenset(), best: int | None = None) -> list[int]:
     """The checkpoints to delete, given which are valid and which are safe (in the cloud).
 
     Keeps the `keep` newest safe checkpoints (so at least one always remains), anything newer than
@@ -33,17 +33,27 @@ def prunable(steps: Iterable[int], valid: set[int], safe: set[int], keep: int,
     deletes everything else. With no safe checkpoint nothing is deleted: a deletion reaches the
     cloud before a large pending upload does, so pruning on anything less can leave no checkpoint
     in the cloud at all.
+
+    `best`, the Trainer's best checkpoint, is never deleted while it is valid, and once safe it
+    takes one of the `keep` places, as in the Trainer's own rotation: with keep=1 the newest and
+    the best both stay.
     """
     ranked = sorted(safe & valid, reverse=True)
     if not ranked:
         return []
-    kept = set(ranked[:keep]) | set(protect)
     newest = ranked[0]
+    counted = {newest} | ({best} if best in ranked else set())  # the places of `keep` they take
+    for step in ranked:
+        if len(counted) >= keep:
+            break
+        counted.add(step)
+    kept = counted | set(protect) | ({best} if best in valid else set())
     return sorted(s for s in steps if s not in kept and (s < newest or s not in valid))
 
 
 def choose_doomed(root: Path, *, kind: str, prune_after: str, confirmed: set[int], keep: int,
-                  protect: set[int], deleting: Iterable[Path] = ()) -> list[tuple[int, Path]]:
+                  protect: set[int], best: int | None = None,
+                  deleting: Iterable[Path] = ()) -> list[tuple[int, Path]]:
     """The (step, folder) pairs under `root` to delete now.
 
     Args:
@@ -52,7 +62,8 @@ def choose_doomed(root: Path, *, kind: str, prune_after: str, confirmed: set[int
             UNCONFIRMED Drive mount written counts too, but the newest checkpoint written long
             enough ago is kept back as well.
         prune_after: "cloud", or "written" for the rule before 0.2 (every valid one is safe).
-        protect: steps never deleted (the one being uploaded, the best one).
+        protect: steps never deleted (the one being uploaded).
+        best: the Trainer's best checkpoint (see `prunable`).
         deleting: folders already being deleted.
     """
     deleting = set(deleting)
@@ -74,7 +85,7 @@ def choose_doomed(root: Path, *, kind: str, prune_after: str, confirmed: set[int
         if settled:
             protect.add(max(settled))
     paths = dict(existing)
-    return [(step, paths[step]) for step in prunable(paths, valid, safe, keep, protect)]
+    return [(step, paths[step]) for step in prunable(paths, valid, safe, keep, protect, best)]
 
 
 def _written_age(folder: Path) -> float:

@@ -64,6 +64,7 @@ class Run:
         drive_dir: the persistent folder, `<root>/<name>/`.
         local_dir: fast local scratch where the Trainer writes (`output_dir`).
         resume_from: local path of the newest valid checkpoint, or None on a fresh run.
+        resume_best: local path of the Trainer's best checkpoint named in it (fetched too), or None.
         runtime: what `start_run` detected (Colab, GPU, RAM limit).
         durability: what "in the cloud" means for `drive_dir`: "drivefs" (DriveFS reports each
             file's upload), "unconfirmed" (a Drive mount without those reports: nothing is ever
@@ -92,6 +93,7 @@ class Run:
         self.notices = notices
         self.resume_from: Path | None = None
         self.resume_manifest = None
+        self.resume_best: Path | None = None
         self.resume_state: dict = {}
         self.clock = _TrainClock()
         self.mirror = Mirror(drive_dir, keep=keep, journal=journal, notices=notices, kit_version=__version__,

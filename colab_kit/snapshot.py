@@ -8,6 +8,7 @@ trusts its hashes.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import time
@@ -15,9 +16,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import storage
-from .manifest import MANIFEST
+from .manifest import MANIFEST, Manifest, hash_folder, write_manifest
 
-__all__ = ["SNAPSHOTS", "Snapshot", "take_snapshot", "stamp", "discard"]
+__all__ = ["SNAPSHOTS", "Snapshot", "SnapshotChanged", "take_snapshot", "snapshot_manifest", "stamp", "discard"]
+
+log = logging.getLogger(__name__)
 
 SNAPSHOTS = ".snapshots"
 
@@ -71,7 +74,33 @@ def take_snapshot(source: str | Path, snapshots_root: str | Path, step: int,
                     source=source, kit_state=dict(kit_state or {}))
 
 
-
-
 def discard(snap: Snapshot) -> None:
     shutil.rmtree(snap.path, ignore_errors=True)
+
+
+class SnapshotChanged(Exception):
+    """A file of a snapshot changed after it was taken (overwritten in place)."""
+
+
+def snapshot_manifest(snap: Snapshot, kit_version: str = "") -> Manifest:
+    """Hash the snapshot into its manifest, checking first that no file changed since it was taken.
+
+    Raises:
+        SnapshotChanged: a file's size or mtime differs from the stamp taken with the snapshot.
+    """
+    files = hash_folder(snap.path)
+    for name, (size, mtime) in snap.stamps.items():
+        if name not in files or stamp(snap.path / name) != (size, mtime):
+            raise SnapshotChanged(f"{name} of checkpoint-{snap.step} changed after it was saved")
+    manifest = Manifest(step=snap.step, files=files, fingerprint=snap.fingerprint,
+                        created=snap.taken, kit_version=kit_version, kit_state=snap.kit_state)
+    # A manifest beside the local checkpoint lets a restart on the same VM resume from it.
+    # Same sizes and mtimes as the snapshot mean the same bytes (hard links share the
+    # inode; copy2 keeps the mtime), so the hashes carry over without reading again.
+    if snap.source is not None:
+        try:
+            if all(stamp(snap.source / n) == s for n, s in snap.stamps.items()):
+                write_manifest(snap.source, manifest)
+        except OSError as exc:  # the Trainer may have pruned it already
+            log.debug("no local manifest for %s: %s", snap.source, exc)
+    return manifest

@@ -23,6 +23,7 @@ from pathlib import Path
 from . import storage
 from ._notices import Countdown, Notices
 from ._units import format_age, format_bytes, is_count, parse_duration
+from .best import fetch_best, recorded_best
 from .checkpoint import ARCHIVE, CHECKPOINTS, KIT_STATE, Found, find_latest, list_checkpoints
 from .drive import resolve_root
 from .drivefs import describe_kind, folder_kind
@@ -94,6 +95,20 @@ def _kit_state(found: Found) -> dict:
         return json.loads((found.path / KIT_STATE).read_text())
     except (OSError, ValueError):
         return {}
+
+
+def _fetch_best(run: Run, found: Found, places, skipped) -> None:
+    """Fetch the Trainer's best checkpoint named in the resumed one, and protect it on Drive."""
+    best = recorded_best(found.path)
+    run.mirror.best_step = best
+    if best is None:
+        return
+    run.resume_best = fetch_best(found.path, found.step, places, run.local_dir, skipped)
+    if run.resume_best is None:
+        run.notices.add(f"the Trainer's best checkpoint so far, checkpoint-{best}, is not in {run.drive_dir} any "
+                        f"more, so load_best_model_at_end cannot return to it: the best is tracked again "
+                        f"from the checkpoints of this session")
+        run.journal.write("warn", what="best_missing", step=best)
 
 
 def start_run(name: str, *, drive: str | os.PathLike | None = None, local_dir: str | os.PathLike | None = None,
@@ -181,8 +196,11 @@ def start_run(name: str, *, drive: str | os.PathLike | None = None, local_dir: s
         journal.write("warn", what="invalid_checkpoint", path=str(path), reason=reason)
 
     found: Found | None = None
+    places = [("drive", drive_dir / CHECKPOINTS), ("local", local)]
     if resume:
-        found = find_latest([("drive", drive_dir / CHECKPOINTS), ("local", local)], local, on_skip=skipped)
+        found = find_latest(places, local, on_skip=skipped)
+    if found is not None:
+        _fetch_best(run, found, places, skipped)  # before adopt_existing may prune it
     run.mirror.adopt_existing()
     if found is not None:
         run.resume_from, run.resume_manifest = found.path, found.manifest
@@ -209,7 +227,8 @@ def start_run(name: str, *, drive: str | os.PathLike | None = None, local_dir: s
     if found is not None:
         journal.write("resume", step=found.step, origin=found.origin, source=str(found.source),
                       checkpoint_age_s=round(time.time() - found.manifest.created, 1),
-                      train_seconds=round(run.clock.seconds, 1))
+                      train_seconds=round(run.clock.seconds, 1), best=run.mirror.best_step,
+                      best_fetched=run.resume_best is not None)
     lease.start_heartbeat(run._lease_lost)
     _ACTIVE[str(drive_dir)] = weakref.ref(run)
     atexit.register(_finish_at_exit, weakref.ref(run))
@@ -239,6 +258,9 @@ def _summary(run: Run, found: Found | None, replaced, because: str | None, archi
         lines.append(f"  resume: checkpoint-{found.step} (step {found.step}, saved {age} ago, "
                      f"{format_bytes(found.manifest.total_bytes)}, from "
                      f"{'Drive' if found.origin == 'drive' else 'local disk'})")
+        if run.resume_best is not None and run.mirror.best_step != found.step:
+            lines.append(f"  best so far: checkpoint-{run.mirror.best_step} (fetched too, for "
+                         f"load_best_model_at_end)")
     else:
         lines.append("  resume: no checkpoint found, starting fresh")
     if run.mirror.tracker.pending() or run.cloud_step is not None:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import os
 import threading
 import time
 from pathlib import Path
@@ -33,11 +32,11 @@ from ._notices import Notices
 from ._units import format_age, format_bytes
 from .checkpoint import CHECKPOINTS, checkpoint_dir, list_checkpoints, publish_folder
 from .cloud import CloudTracker, upload_for
-from .drivefs import DRIVEFS, PLAIN, UNCONFIRMED, TrashFreeDeleter, in_cloud
+from .drivefs import DRIVEFS, PLAIN, UNCONFIRMED, TrashFreeDeleter, check_space, in_cloud
 from .journal import Journal
-from .manifest import MANIFEST, Manifest, hash_folder, read_manifest, verify_folder, write_manifest
+from .manifest import MANIFEST, Manifest, read_manifest, verify_folder
 from .retention import choose_doomed
-from .snapshot import Snapshot, discard, stamp
+from .snapshot import Snapshot, SnapshotChanged, discard, snapshot_manifest
 
 __all__ = ["Mirror"]
 
@@ -81,12 +80,14 @@ class Mirror:
         self.tracker = CloudTracker(kind, journal)
         # The rule before 0.2 also deleted at once (to Drive's Trash), which is what made it lose data.
         self.deleter = TrashFreeDeleter(kind if prune_after == "cloud" else PLAIN)
-        self.protected: set[int] = set()  # steps never pruned
+        # The Trainer's best checkpoint (state.best_model_checkpoint): never superseded in the
+        # queue nor pruned while it is best. Set from the training loop.
+        self.best_step: int | None = None
         self.written_step: int | None = None
         self.failures = 0  # consecutive failed attempts
         self.total_failures = 0
         self.unsynced_reason: str | None = None
-        self._queued: Snapshot | None = None
+        self._queued: list[Snapshot] = []  # oldest first: at most the best one and the newest
         self._current: Snapshot | None = None
         self._retry_at = 0.0
         self._in_flight = None  # the Upload written last, on its way to the cloud
@@ -120,23 +121,29 @@ class Mirror:
             self._cond.notify_all()
 
     def submit(self, snapshot: Snapshot) -> None:
-        """Queue `snapshot`; it replaces a queued, older one (never the one being uploaded)."""
+        """Queue `snapshot`; it replaces the queued, older ones (never the one being uploaded, nor
+        the best one: that one is uploaded first)."""
         with self._cond:
             if self._closed or self._paused:
                 discard(snapshot)
                 return
-            if self._queued is not None:
-                log.info("checkpoint-%d superseded by checkpoint-%d before upload",
-                         self._queued.step, snapshot.step)
-                discard(self._queued)
-            self._queued = snapshot
+            kept = []
+            for old in self._queued:
+                if old.path == snapshot.path:  # the same step again: take_snapshot replaced its files
+                    continue
+                if old.step == self.best_step:
+                    kept.append(old)
+                    continue
+                log.info("checkpoint-%d superseded by checkpoint-%d before upload", old.step, snapshot.step)
+                discard(old)
+            self._queued = kept + [snapshot]
             self._cond.notify_all()
 
     @property
     def pending_steps(self) -> list[int]:
         """Steps saved locally but not yet written to the persistent folder."""
         with self._cond:
-            return [s.step for s in (self._current, self._queued) if s is not None]
+            return [s.step for s in (self._current, *self._queued) if s is not None]
 
     @property
     def paused(self) -> bool:
@@ -148,7 +155,7 @@ class Mirror:
         with self._cond:
             if self._paused:
                 return False
-            while self._current is not None or self._queued is not None:
+            while self._current is not None or self._queued:
                 if self._paused:
                     return False
                 left = None if deadline is None else deadline - time.monotonic()
@@ -162,9 +169,9 @@ class Mirror:
         with self._cond:
             self._paused = True
             self.unsynced_reason = reason
-            if self._queued is not None:
-                discard(self._queued)
-            self._queued = None
+            for old in self._queued:
+                discard(old)
+            self._queued = []
             self._cond.notify_all()
 
     def finish_deletions(self, timeout: float) -> bool:
@@ -215,8 +222,8 @@ class Mirror:
                 if self._closed or self._paused:
                     return False
                 now = time.monotonic()
-                if self._current is None and self._queued is not None and self._gate_open(now):
-                    self._current, self._queued = self._queued, None
+                if self._current is None and self._queued and self._gate_open(now):
+                    self._current = self._queued.pop(0)
                 if self._current is not None and now >= self._retry_at:
                     return self._current
                 waits = [w for w in (self.tracker.next_poll_in(), self._gate_wait(now),
@@ -245,7 +252,7 @@ class Mirror:
         return True
 
     def _gate_wait(self, now: float) -> float | None:
-        if self._queued is None or self._current is not None or self._gate_open(now):
+        if not self._queued or self._current is not None or self._gate_open(now):
             return None
         return 1.0  # re-check as confirmations arrive (the poller wakes us sooner)
 
@@ -264,7 +271,7 @@ class Mirror:
     def _attempt(self, snap: Snapshot) -> None:
         try:
             self._upload(snap)
-        except _SnapshotChanged as exc:  # overwritten in place: a newer save will follow
+        except SnapshotChanged as exc:  # overwritten in place: a newer save will follow
             self.notices.add(f"{exc}; skipped it")
             self.journal.write("warn", what="snapshot_changed", step=snap.step, error=str(exc))
         except Exception as exc:  # OSError is Drive trouble; anything else a bug: retry, report
@@ -294,55 +301,27 @@ class Mirror:
         if disconnected and self.on_disconnected is not None:
             self.on_disconnected()
         with self._cond:
-            if self._queued is not None:  # a newer checkpoint exists: stop retrying this one
+            newer = any(q.step > snap.step for q in self._queued)
+            if newer and snap.step != self.best_step:  # superseded: stop retrying this one
                 discard(snap)
+                self._current = None
+            elif newer:  # the best one is retried after the newer one, which is not held up by it
+                self._queued.append(snap)
                 self._current = None
             else:
                 self._retry_at = time.monotonic() + delay
             self._cond.notify_all()
 
-    def _manifest_for(self, snap: Snapshot) -> Manifest:
-        files = hash_folder(snap.path)
-        for name, (size, mtime) in snap.stamps.items():
-            if name not in files or stamp(snap.path / name) != (size, mtime):
-                raise _SnapshotChanged(f"{name} of checkpoint-{snap.step} changed after it was saved")
-        manifest = Manifest(step=snap.step, files=files, fingerprint=snap.fingerprint,
-                            created=snap.taken, kit_version=self.kit_version, kit_state=snap.kit_state)
-        # A manifest beside the local checkpoint lets a restart on the same VM resume from it.
-        # Same sizes and mtimes as the snapshot mean the same bytes (hard links share the
-        # inode; copy2 keeps the mtime), so the hashes carry over without reading again.
-        if snap.source is not None:
-            try:
-                if all(stamp(snap.source / n) == s for n, s in snap.stamps.items()):
-                    write_manifest(snap.source, manifest)
-            except OSError as exc:  # the Trainer may have pruned it already
-                log.debug("no local manifest for %s: %s", snap.source, exc)
-        return manifest
-
-    def _check_space(self, snap: Snapshot) -> None:
-        # A full Drive fails an upload half-way, and cleaning up the half-copy fills the Trash:
-        # better not to start one that cannot fit.
-        try:
-            st = os.statvfs(self.run_dir)
-        except OSError:
-            return
-        if not st.f_blocks:  # the filesystem reports no size
-            return
-        # Bytes written but not yet uploaded: known only where DriveFS reports them.
-        free, pending = st.f_bavail * st.f_frsize, self.tracker.pending_bytes if self.kind == DRIVEFS else 0
-        if free < snap.bytes + pending:
-            raise OSError(errno.ENOSPC, f"{self.run_dir} has {format_bytes(free)} free, but checkpoint-{snap.step} "
-                          f"needs {format_bytes(snap.bytes)} plus {format_bytes(pending)} still uploading, so "
-                          f"its upload was not started. Free space on Drive (its Trash counts too) or lower keep")
-
     def _upload(self, snap: Snapshot) -> None:
         started = time.monotonic()
-        manifest = self._manifest_for(snap)
+        manifest = snapshot_manifest(snap, self.kit_version)
         target = checkpoint_dir(self.run_dir / CHECKPOINTS, snap.step)
         if target.is_dir() and _same_manifest(target, manifest) and verify_folder(target, hashes=False) is None:
             log.info("checkpoint-%d is already on %s", snap.step, self.run_dir)
         else:
-            self._check_space(snap)
+            # Bytes written but not yet uploaded: known only where DriveFS reports them.
+            pending = self.tracker.pending_bytes if self.kind == DRIVEFS else 0
+            check_space(self.run_dir, snap.bytes, pending, f"checkpoint-{snap.step}")
             publish_folder(snap.path, target, manifest)
         seconds = time.monotonic() - started
         self.written_step = snap.step
@@ -360,10 +339,10 @@ class Mirror:
             self._prune()
 
     def _prune(self) -> None:
-        protect = set(self.protected) | {s.step for s in (self._current,) if s is not None}
+        protect = {s.step for s in (self._current,) if s is not None}
         doomed = choose_doomed(self.run_dir / CHECKPOINTS, kind=self.kind, prune_after=self.prune_after,
                                confirmed=self.tracker.confirmed_steps(), keep=self.keep, protect=protect,
-                               deleting=self.deleter.pending)
+                               best=self.best_step, deleting=self.deleter.pending)
         if doomed:  # journaled first: a checkpoint reported in the cloud stays there until this line
             self.journal.write("prune", steps=[step for step, _ in doomed], trash_free=self.deleter.kind != PLAIN)
         for step, path in doomed:
@@ -377,10 +356,6 @@ class Mirror:
             self.notices.add(f"deleted checkpoint-{doomed[0][0]} from Drive the Trash-free way: each file is emptied "
                              f"before it is deleted, so Drive's Trash keeps only 0-byte stubs (for 30 days, or "
                              f"until you empty the Trash at drive.google.com); they take no quota")
-
-
-class _SnapshotChanged(Exception):
-    pass
 
 
 def _same_manifest(folder: Path, manifest: Manifest) -> bool:

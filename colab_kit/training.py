@@ -11,6 +11,7 @@ import math
 from pathlib import Path
 
 from ._units import is_count
+from .best import TRAINER_STATE, early_stopped, restore_best
 from .checkpoint import ARCHIVE
 from .errors import ResumeMismatchError
 from .recipes import make_length_grouping_resumable
@@ -78,9 +79,12 @@ def train(run, trainer, *, oom_recovery: bool = True, grow_back_after: int | Non
 
 def _already_complete(run, trainer, checkpoint) -> bool:
     # Resuming from a checkpoint at max_steps makes the Trainer run one step too many (its
-    # stop check comes after a step), so a finished run is recognised here instead.
+    # stop check comes after a step), and resuming after early stopping trains on (the Trainer
+    # clears should_training_stop at the start), so a finished run is recognised here instead.
     if checkpoint is None or run.resume_manifest is None:
         return False
+    if early_stopped(Path(checkpoint)):
+        return True
     planned = planned_max_steps(trainer)
     return planned is not None and run.resume_manifest.step >= planned
 
@@ -90,7 +94,13 @@ def _load_completed(run, trainer, checkpoint: Path):
     from transformers.trainer_utils import TrainOutput
 
     trainer._load_from_checkpoint(str(checkpoint))  # the Trainer's own loader (sharded, PEFT, ...)
-    trainer.state = TrainerState.load_from_json(str(checkpoint / "trainer_state.json"))
+    trainer.state = TrainerState.load_from_json(str(checkpoint / TRAINER_STATE))
+    # The Trainer ends on the best weights with load_best_model_at_end: so does a finished run.
+    if trainer.args.load_best_model_at_end:
+        restore_best(run.resume_best, trainer.args, trainer.state)
+        best = trainer.state.best_model_checkpoint
+        if best is not None and Path(best).is_dir():
+            trainer._load_best_model()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     step = trainer.state.global_step
     print(f"colab_kit: run {run.name!r} already reached step {step}; loaded its final weights "
@@ -150,7 +160,8 @@ def check_compatible(run, model, args) -> None:
 
 
 def adjust_args(run, args) -> None:
-    """Warn about settings that defeat the kit, and cap local checkpoints (Drive keeps the history)."""
+    """Warn about settings that defeat the kit, cap local checkpoints (Drive keeps the history), and
+    restore the callbacks' state on resume."""
     out = Path(args.output_dir).absolute()
     if out == run.drive_dir or run.drive_dir in out.parents:
         run.notices.add(f"output_dir {out} is inside the persistent folder: every save then "
@@ -159,6 +170,10 @@ def adjust_args(run, args) -> None:
     if args.save_total_limit is None:
         # The kit keeps the history on Drive; unlimited local copies only fill the VM disk.
         args.save_total_limit = max(run.keep, 2)
+    if hasattr(args, "restore_callback_states_from_checkpoint"):
+        # An exact resume includes the callbacks' saved state (early stopping's patience counter,
+        # the Trainer's control flags); the Trainer restores it only when asked.
+        args.restore_callback_states_from_checkpoint = True
     if getattr(args, "save_only_model", False):
         run.notices.add("save_only_model=True: checkpoints hold no optimizer, scheduler or RNG "
                         "state, so a resume will not continue exactly")

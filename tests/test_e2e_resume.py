@@ -8,7 +8,6 @@ bench/kill_anywhere.py runs the same harness at 20+ random moments.
 
 import signal
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -31,21 +30,10 @@ def references(tmp_path_factory):
     return get
 
 
-def kill_after_durable(job: harness.Job, step: int, timeout: float = 120) -> int:
+def kill_after_durable(job: harness.Job, step: int) -> int:
     """Start the job, SIGKILL it from outside once checkpoint `step` (or later) is on Drive."""
-    proc = job.start()
-    deadline = time.monotonic() + timeout
-    durable = 0
-    while time.monotonic() < deadline and proc.poll() is None:
-        synced = [e["step"] for e in job.events() if e["event"] == "sync"]
-        durable = max(synced, default=0)
-        if durable >= step:
-            proc.send_signal(signal.SIGKILL)
-            break
-        time.sleep(0.02)
-    text, _ = proc.communicate(timeout=60)
-    assert proc.returncode == -signal.SIGKILL, f"the job was not killed mid-run:\n{text[-2000:]}"
-    return durable
+    events = harness.kill_when(job, lambda events: max(harness.synced_steps(events), default=0) >= step)
+    return max(harness.synced_steps(events))
 
 
 @pytest.mark.parametrize("loop", ["trainer", "plain"])

@@ -35,6 +35,30 @@ def test_prune_removes_what_a_newer_cloud_checkpoint_supersedes_and_honours_prot
     assert prunable([10, 20], {10}, safe={10, 20}, keep=1) == [20]
 
 
+def test_the_best_checkpoint_survives_keep_1_and_takes_one_of_the_keep_places():
+    steps = [10, 20, 30, 40]
+    # keep=1: the newest (resume) and the best (load_best_model_at_end) both stay, as in the Trainer
+    assert prunable(steps, set(steps), safe=set(steps), keep=1, best=10) == [20, 30]
+    # keep=3: the best counts against keep, so two more of the newest stay with it
+    assert prunable(steps, set(steps), safe=set(steps), keep=3, best=10) == [20]
+    # the best still uploading is kept (and does not count: keep counts what is in the cloud)
+    assert prunable(steps, set(steps), safe={20, 30}, keep=1, best=10) == [20]
+    # once no longer the best, it goes like any other
+    assert prunable(steps, set(steps), safe=set(steps), keep=1, best=40) == [10, 20, 30]
+    # a broken folder is no best checkpoint
+    assert prunable(steps, {20, 30, 40}, safe={20, 30, 40}, keep=1, best=10) == [10, 20, 30]
+
+
+def test_choose_doomed_protects_the_best_checkpoint(tmp_path):
+    for step in (10, 20, 30):
+        make_checkpoint(tmp_path, step)
+    doomed = choose_doomed(tmp_path, kind=PLAIN, prune_after="cloud", confirmed=set(), keep=1, protect=set(), best=10)
+    assert [s for s, _ in doomed] == [20]
+    doomed = choose_doomed(tmp_path, kind=DRIVEFS, prune_after="cloud", confirmed={10, 30}, keep=1, protect=set(),
+                           best=10)
+    assert [s for s, _ in doomed] == [20]
+
+
 def test_choose_doomed_reads_the_folder_and_applies_the_rule_of_its_kind(tmp_path):
     for step in (10, 20, 30):
         make_checkpoint(tmp_path, step)

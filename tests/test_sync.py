@@ -92,6 +92,51 @@ def test_newer_checkpoint_supersedes_the_queued_one(mirror, drive, local, monkey
     assert not (local / ".snapshots" / "checkpoint-20").exists()
 
 
+def test_the_best_checkpoint_is_never_superseded_in_the_queue(mirror, drive, local, monkeypatch):
+    gate = threading.Event()
+    copy = storage.copy_file
+    monkeypatch.setattr(storage, "copy_file", lambda s, d: (gate.wait(5), copy(s, d))[1])
+    submit(mirror, local, 10)
+    time.sleep(0.1)  # 10 is in flight
+    mirror.best_step = 20
+    submit(mirror, local, 20)
+    submit(mirror, local, 30)  # would replace 20, but 20 is the best
+    submit(mirror, local, 40)  # replaces 30
+    assert mirror.pending_steps == [10, 20, 40]
+    mirror.best_step = 50
+    submit(mirror, local, 50)  # 20 is no longer the best: superseded like any other
+    assert mirror.pending_steps == [10, 50]
+    gate.set()
+    assert mirror.drain(10)
+    steps = [e["step"] for e in read_events(drive / "events.jsonl") if e["event"] == "sync"]
+    assert steps == [10, 50]
+
+
+def test_a_failing_best_upload_does_not_hold_up_the_newer_one(mirror, drive, local, drive_faults, monkeypatch):
+    mirror.keep = 1
+    mirror.best_step = 10
+    drive_faults.fail(errno.EIO)
+    submit(mirror, local, 10)
+    deadline = time.monotonic() + 5
+    while mirror.failures < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    submit(mirror, local, 20)
+    while mirror.pending_steps[:1] != [20] and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert mirror.pending_steps == [20, 10]  # 10 failed again with 20 queued: 20 goes first, 10 after
+    drive_faults.heal()
+    assert mirror.drain(10)
+    steps = [e["step"] for e in read_events(drive / "events.jsonl") if e["event"] == "sync"]
+    assert steps == [20, 10]  # both land, the best one too
+    submit(mirror, local, 30)
+    assert mirror.drain(10)
+    deadline = time.monotonic() + 5
+    while len(list_checkpoints(drive / "checkpoints")) > 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    # keep=1: the newest and the best stay
+    assert [s for s, _ in list_checkpoints(drive / "checkpoints")] == [30, 10]
+
+
 def test_prunes_only_after_confirming_and_keeps_keep(mirror, drive, local):
     for step in (10, 20, 30):
         submit(mirror, local, step)

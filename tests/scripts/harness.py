@@ -11,8 +11,10 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 JOB = Path(__file__).with_name("tiny_job.py")
 PHASES = ("step", "local_save", "upload", "manifest", "prune", "journal", "fetch")
@@ -87,6 +89,29 @@ class Job:
         from colab_kit.journal import read_events
 
         return read_events(self.local / "events.jsonl")
+
+
+def kill_when(job: Job, ready: Callable[[list[dict]], bool], timeout: float = 120) -> list[dict]:
+    """Start the job and SIGKILL it from outside as soon as `ready(events)` holds for its journal on
+    the persistent folder; returns those events. Fails when the job ends before that."""
+    proc = job.start()
+    deadline = time.monotonic() + timeout
+    events: list[dict] = []
+    while time.monotonic() < deadline and proc.poll() is None:
+        events = job.events()
+        if ready(events):
+            proc.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.02)
+    text, _ = proc.communicate(timeout=60)
+    job.log.append(("from outside", proc.returncode, text))
+    assert proc.returncode == -signal.SIGKILL, f"the job was not killed mid-run:\n{text[-2000:]}"
+    return events
+
+
+def synced_steps(events: list[dict]) -> set[int]:
+    """The checkpoints written to the persistent folder, from its journal."""
+    return {e["step"] for e in events if e["event"] == "sync"}
 
 
 def last_saved_step(job: Job) -> int:

@@ -2,11 +2,12 @@
 
     python tiny_job.py --drive D --local L --out final.safetensors [--loop trainer|plain]
                        [--kill PHASE:K] [--step-sleep S] [--vocab N] [--keep K] [--save-every N|"2s"]
-                       [--prune-after written] [--hostname NAME] [--heartbeat S]
+                       [--prune-after written] [--hostname NAME] [--heartbeat S] [--best min|max]
 
 --vocab makes checkpoints heavier (unused embedding rows); --prune-after written runs the pruning
-rule before 0.2; --hostname makes the job look as if it ran on another VM. A live lease of
-another runtime ends the job with exit code 3.
+rule before 0.2; --hostname makes the job look as if it ran on another VM; --best adds
+load_best_model_at_end and early stopping. A live lease of another runtime ends the job with
+exit code 3.
 
 --kill makes the job SIGKILL itself the K-th time it reaches PHASE, in the middle of the
 operation (half a chunk written, a manifest half renamed, ...):
@@ -133,9 +134,36 @@ def run_trainer(args, killer: Killer):
                 die()
 
     run = start(args)
-    trainer = tiny_trainer(run, max_steps=args.steps, dropout=0.1, callbacks=[Hooks()], vocab_size=args.vocab)
+    options = best_model_options(args.best) if args.best else {}
+    callbacks = [Hooks(), *options.pop("callbacks", [])]
+    trainer = tiny_trainer(run, max_steps=args.steps, dropout=0.1, callbacks=callbacks, vocab_size=args.vocab,
+                           **options)
     output = run.train(trainer)
+    if args.best:
+        print(f"BEST step={trainer.state.best_global_step} metric={trainer.state.best_metric!r} "
+              f"stopped_at={trainer.state.global_step}", flush=True)
     return trainer.model, output.global_step
+
+
+def best_model_options(direction: str) -> dict:
+    """HF's early-stopping resume scenario: evaluate and save every 10 steps, keep the best model,
+    stop after 2 evaluations without improvement. The metric, the mean size of the evaluation
+    logits, grows as the model learns, so the best checkpoint is the first one (the smallest
+    logits, or the largest negated logits with greater_is_better=True)."""
+    import numpy as np
+    from transformers import EarlyStoppingCallback
+
+    from colab_kit.demo import toy_classification
+
+    def logit_size(prediction):
+        size = float(np.abs(prediction.predictions).mean())
+        return {"logit_size": size} if direction == "min" else {"neg_logit_size": -size}
+
+    return dict(eval_strategy="steps", eval_steps=10, save_strategy="steps", save_steps=10,
+                load_best_model_at_end=True, greater_is_better=direction == "max",
+                metric_for_best_model="logit_size" if direction == "min" else "neg_logit_size",
+                eval_dataset=toy_classification(n=64, seed=2), compute_metrics=logit_size,
+                callbacks=[EarlyStoppingCallback(early_stopping_patience=2)])
 
 
 def run_plain(args, killer: Killer):
@@ -191,6 +219,8 @@ def main() -> None:
     parser.add_argument("--hostname", default=None)
     parser.add_argument("--kill", default=None)
     parser.add_argument("--step-sleep", type=float, default=0.0)
+    parser.add_argument("--best", choices=["min", "max"], default=None,
+                        help="load_best_model_at_end with early stopping, the metric minimised or maximised")
     args = parser.parse_args()
     args.save_every = int(args.save_every) if args.save_every.isdigit() else args.save_every
     if args.hostname:  # before colab_kit reads it: this job runs "on another VM"
