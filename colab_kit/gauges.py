@@ -17,7 +17,6 @@ widget; it never prints or calls display(). Sparklines are hand-built SVG in one
 from __future__ import annotations
 
 import html
-import importlib.util
 import sys
 import threading
 import time
@@ -26,119 +25,15 @@ from typing import Callable
 
 from . import storage
 from ._units import format_age, format_bytes
+from .gaugeviews import _COLORS, _bar, _choose_view, sparkline
 from .monitor import History, Sample, Sampler
-from .runtime import in_notebook
 
 __all__ = ["Gauges", "plot_history", "sparkline"]
 
 PUSH_EVERY = 0.5  # seconds between view updates from the training loop
 SILENT_AFTER = 2.0  # the sampler thread updates a widget when the loop was silent this long
 RAM_WARN, GPU_WARN = 0.90, 0.95
-_COLORS = {"ok": "#2e7d32", "amber": "#f9a825", "red": "#c62828"}
 _last: "Gauges | None" = None
-
-
-def _level(frac: float | None, warn: float) -> str:
-    if frac is None:
-        return "ok"
-    return "red" if frac >= warn else "amber" if frac >= warn - 0.15 else "ok"
-
-
-def sparkline(values: list[float | None], width: int = 160, height: int = 28, color: str = "#1565c0",
-              vmax: float | None = None) -> str:
-    """An inline SVG polyline of `values` (None = gap), scaled to [0, vmax or max]."""
-    points = [v for v in values if v is not None]
-    if len(points) < 2:
-        return f'<svg width="{width}" height="{height}"></svg>'
-    top = vmax or max(points) or 1.0
-    step = width / (len(values) - 1)
-    coords = " ".join(f"{i * step:.1f},{height - 1 - (v / top) * (height - 2):.1f}"
-                      for i, v in enumerate(values) if v is not None)
-    return (f'<svg width="{width}" height="{height}" style="vertical-align:middle">'
-            f'<polyline fill="none" stroke="{color}" stroke-width="1.5" points="{coords}"/></svg>')
-
-
-def _bar(label: str, used: float | None, total: float | None, warn: float, text: str | None = None,
-         layers: list[tuple[float, str]] = ()) -> str:
-    frac = used / total if used is not None and total else None
-    color = _COLORS[_level(frac, warn)]
-    width = f"{min(frac, 1) * 100:.1f}%" if frac is not None else "0"
-    inner = "".join(f'<div style="position:absolute;left:0;top:0;bottom:0;width:{min(v, 1) * 100:.1f}%;'
-                    f'background:{c}"></div>' for v, c in layers)
-    value = text or (f"{format_bytes(used)} / {format_bytes(total)}" if frac is not None else "n/a")
-    return (f'<div style="display:flex;align-items:center;gap:8px;margin:2px 0">'
-            f'<span style="width:110px">{html.escape(label)}</span>'
-            f'<div style="position:relative;width:220px;height:12px;background:#e0e0e0;border-radius:3px;overflow:hidden">'
-            f'<div style="position:absolute;left:0;top:0;bottom:0;width:{width};background:{color}"></div>{inner}</div>'
-            f'<span style="font-family:monospace">{html.escape(value)}</span></div>')
-
-
-class _WidgetView:
-    threaded = True
-
-    def __init__(self):
-        import ipywidgets
-        from IPython.display import display
-
-        self.widget = ipywidgets.HTML(value="")
-        display(self.widget)
-
-    def show(self, state: "Gauges") -> None:
-        self.widget.value = state.render()
-
-    def close(self, summary_html: str, summary_text: str) -> None:
-        from IPython.display import HTML, display
-
-        self.widget.close()  # widget state is not saved by Colab: leave plain HTML behind
-        display(HTML(summary_html))
-
-
-class _HtmlView:
-    threaded = False  # display updates from a thread land in whatever cell runs
-
-    def __init__(self):
-        from IPython.display import HTML, display
-
-        self.handle = display(HTML(""), display_id=True)
-
-    def show(self, state: "Gauges") -> None:
-        from IPython.display import HTML
-
-        self.handle.update(HTML(state.render()))
-
-    def close(self, summary_html: str, summary_text: str) -> None:
-        from IPython.display import HTML
-
-        self.handle.update(HTML(summary_html))
-
-
-class _TextView:
-    threaded = False
-    every = 30.0
-
-    def __init__(self):
-        self._last = 0.0
-
-    def show(self, state: "Gauges") -> None:
-        if time.monotonic() - self._last >= self.every:
-            self._last = time.monotonic()
-            print(state.render_text(), file=sys.stderr, flush=True)
-
-    def close(self, summary_html: str, summary_text: str) -> None:
-        print(summary_text, file=sys.stderr, flush=True)
-
-
-def _choose_view(view: str):
-    if view == "auto":
-        if not in_notebook():
-            view = "text"
-        elif importlib.util.find_spec("ipywidgets") is not None:
-            view = "widget"
-        else:
-            print("colab_kit: live gauges without ipywidgets refresh only between training steps; "
-                  "`pip install ipywidgets` for the widget view", file=sys.stderr)
-            view = "html"
-    return {"widget": _WidgetView, "html": _HtmlView, "text": _TextView}[view]()
 
 
 class Gauges:
@@ -153,11 +48,12 @@ class Gauges:
             its limit or GPU memory 95 %, once per crossing.
         view: "auto", "widget", "html" or "text".
         interval: seconds between samples.
+        all_gpus: also show the node's other visible GPUs (several processes: rank 0 shows them all).
     """
 
     def __init__(self, *, total_steps: int | None = None, title: str = "colab_kit", local_dir=None,
                  drive_dir=None, save_html: str | Path | None = None, on_warn: Callable[[str], None] | None = None,
-                 view: str = "auto", interval: float = 1.0):
+                 view: str = "auto", interval: float = 1.0, all_gpus: bool = False):
         global _last
         self.title = title
         self.total_steps = total_steps
@@ -178,7 +74,7 @@ class Gauges:
         self._view = _choose_view(view)
         self._sampler = Sampler(self.history, on_sample=self._on_sample, interval=interval,
                                 disk_paths=(Path(local_dir) if local_dir else None,
-                                            Path(drive_dir) if drive_dir else None))
+                                            Path(drive_dir) if drive_dir else None), all_gpus=all_gpus)
         self._sampler.sample()
         self._push()
         self._sampler.start()
@@ -276,6 +172,10 @@ class Gauges:
                  text=f"{gpu.util:.0f} %" + (f", {gpu.temperature:.0f} °C, {gpu.power:.0f} W"
                                              if gpu.temperature is not None and gpu.power is not None else "")
                  if gpu.util is not None else "n/a"),
+            *(_bar(f"GPU {i} memory", other.used, other.total, GPU_WARN,
+                   text=f"{format_bytes(other.used)} / {format_bytes(other.total)}"
+                        + (f", busy {other.util:.0f} %" if other.util is not None else ""))
+              for i, other in enumerate(s.others, start=1)),
             _bar("host RAM", host.used, host.limit, RAM_WARN,
                  text=(f"{format_bytes(host.used)} / {format_bytes(host.limit)} (this process "
                        f"{format_bytes(host.rss)})") if host.used is not None else None),
@@ -300,6 +200,8 @@ class Gauges:
     def render_text(self) -> str:
         s = self.history.samples[-1]
         gpu = (f"GPU {format_bytes(s.gpu.used)}/{format_bytes(s.gpu.total)}" if s.gpu.total else "GPU n/a")
+        gpu += "".join(f" | GPU{i} {format_bytes(o.used)}/{format_bytes(o.total)}"
+                       for i, o in enumerate(s.others, start=1) if o.total)
         return (f"[{self.status_line()}] {gpu} | RAM {format_bytes(s.host.used)}/{format_bytes(s.host.limit)}"
                 + (f" | WARNING: {self.warnings[-1]}" if self.warnings else ""))
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from .runtime import _first_visible_index, host_ram_limit
+from .runtime import _first_visible_index, _visible_indices, host_ram_limit
 
 __all__ = ["GpuReading", "TorchReading", "HostReading", "DiskReading", "Sample", "read_gpu", "read_torch",
            "read_host", "read_disk", "Sampler", "History"]
@@ -63,20 +63,29 @@ class Sample:
     torch: TorchReading = field(default_factory=TorchReading)
     host: HostReading = field(default_factory=HostReading)
     disk: DiskReading = field(default_factory=DiskReading)
+    others: tuple[GpuReading, ...] = ()  # the node's other GPUs (several processes, one per GPU)
 
 
 class _Nvml:
-    """One NVML session for the sampler's life (init once, a handle, cheap queries)."""
+    """One NVML session for the sampler's life (init once, handles, cheap queries).
 
-    def __init__(self):
+    Args:
+        all_gpus: also hold handles of the other visible GPUs (rank 0 of several processes shows them).
+    """
+
+    def __init__(self, all_gpus: bool = False):
         self.handle = None
+        self.others: list = []
         try:
             import pynvml
 
             pynvml.nvmlInit()
             index = _first_visible_index()
-            if index is not None and pynvml.nvmlDeviceGetCount() > index:
+            count = pynvml.nvmlDeviceGetCount()
+            if index is not None and count > index:
                 self.handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            if all_gpus:
+                self.others = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in _visible_indices(count) if i != index]
             self.nvml = pynvml
         except Exception:  # no library, no driver, no GPU: every GPU field is n/a
             self.nvml = None
@@ -96,10 +105,11 @@ def _try(fn, default=None):
         return default
 
 
-def read_gpu(nvml: _Nvml) -> GpuReading:
-    if nvml.nvml is None or nvml.handle is None:
+def read_gpu(nvml: _Nvml, handle=None) -> GpuReading:
+    h = handle if handle is not None else nvml.handle
+    if nvml.nvml is None or h is None:
         return GpuReading()
-    n, h = nvml.nvml, nvml.handle
+    n = nvml.nvml
     memory = _try(lambda: n.nvmlDeviceGetMemoryInfo(h))
     return GpuReading(
         used=int(memory.used) if memory is not None else None,
@@ -210,16 +220,18 @@ class Sampler:
         on_sample: called in the sampler thread after each sample (must not print or display).
         interval: seconds between samples.
         disk_paths: (local, drive) folders whose free space is read every `disk_every` seconds.
+        all_gpus: read the node's other visible GPUs too (`Sample.others`).
     """
 
     def __init__(self, history: History, *, on_sample: Callable[[Sample], None] | None = None,
                  interval: float = 1.0, disk_paths: tuple[Path | None, Path | None] = (None, None),
-                 disk_every: float = 30.0):
+                 disk_every: float = 30.0, all_gpus: bool = False):
         self.history = history
         self.on_sample = on_sample
         self.interval = interval
         self.disk_paths = disk_paths
         self.disk_every = disk_every
+        self.all_gpus = all_gpus
         self._limit = host_ram_limit()
         self._disk = DiskReading()
         self._disk_at = 0.0
@@ -232,12 +244,13 @@ class Sampler:
         """Take one sample now (also usable without the thread)."""
         with self._lock:
             if self._nvml is None:
-                self._nvml = _Nvml()
+                self._nvml = _Nvml(self.all_gpus)
             now = time.time()
             if now - self._disk_at >= self.disk_every:
                 self._disk, self._disk_at = read_disk(*self.disk_paths), now
             sample = Sample(t=now, gpu=read_gpu(self._nvml), torch=read_torch(),
-                            host=read_host(limit=self._limit), disk=self._disk)
+                            host=read_host(limit=self._limit), disk=self._disk,
+                            others=tuple(read_gpu(self._nvml, h) for h in self._nvml.others))
             self.history.add(sample)
             return sample
 

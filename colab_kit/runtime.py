@@ -79,6 +79,21 @@ def _first_visible_index() -> int | None:
     return int(first) if first.isdigit() else 0
 
 
+def _visible_indices(count: int) -> list[int]:
+    """NVML indices of the GPUs this process may use (CUDA_VISIBLE_DEVICES, else all of them)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return list(range(count))
+    indices = []
+    for part in visible.split(","):
+        part = part.strip()
+        if not part.isdigit():  # "-1", or UUIDs (not mapped here): stop, as CUDA does at an invalid entry
+            break
+        if int(part) < count:
+            indices.append(int(part))
+    return indices
+
+
 def _gpu_from_nvml() -> GpuInfo | None:
     import pynvml  # nvidia-ml-py; raises ImportError where absent
 

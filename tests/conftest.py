@@ -160,7 +160,7 @@ def no_writes_to_colab_paths():
 def fake_nvml(monkeypatch):
     """A stand-in `pynvml`: a T4-like device whose readings the test can change."""
     state = types.SimpleNamespace(name="Tesla T4", total=15 * 1024**3, used=2 * 1024**3, util=37, temp=61,
-                                  power_mw=42_000, cc=(7, 5), count=1, init_error=None)
+                                  power_mw=42_000, cc=(7, 5), count=1, init_error=None, used_by={})
     nvml = types.ModuleType("pynvml")
 
     def init():
@@ -172,8 +172,11 @@ def fake_nvml(monkeypatch):
     nvml.nvmlDeviceGetCount = lambda: state.count
     nvml.nvmlDeviceGetHandleByIndex = lambda i: ("handle", i)
     nvml.nvmlDeviceGetName = lambda h: state.name.encode()  # older bindings return bytes
-    nvml.nvmlDeviceGetMemoryInfo = lambda h: types.SimpleNamespace(total=state.total, used=state.used,
-                                                                   free=state.total - state.used)
+    def memory(handle):  # state.used_by: {device index: bytes used} for a node of several GPUs
+        used = state.used_by.get(handle[1], state.used)
+        return types.SimpleNamespace(total=state.total, used=used, free=state.total - used)
+
+    nvml.nvmlDeviceGetMemoryInfo = memory
     nvml.nvmlDeviceGetCudaComputeCapability = lambda h: state.cc
     nvml.nvmlDeviceGetUtilizationRates = lambda h: types.SimpleNamespace(gpu=state.util, memory=10)
     nvml.NVML_TEMPERATURE_GPU = 0

@@ -27,6 +27,22 @@ def test_live_view_shows_bars_sparklines_and_the_status_line(fake_nvml):
     assert "checkpoint 4 saved · in the cloud: 4 (2 min old)" in line and "OOM back-offs 1 (micro-batch 8)" in line
 
 
+def test_rank_0_of_several_processes_shows_every_gpu_of_its_node(fake_nvml, monkeypatch):
+    fake_nvml.count, fake_nvml.used_by = 2, {0: 2 * 1024**3, 1: 9 * 1024**3}
+    g = ck.Gauges(view="text", interval=10, all_gpus=True)
+    page, line = g.render(), g.render_text()
+    g.close()
+    assert "GPU 1 memory" in page and "9.0 GiB / 15.0 GiB, busy 37 %" in page
+    assert "GPU 2.0 GiB/15.0 GiB | GPU1 9.0 GiB/15.0 GiB" in line
+    single = ck.Gauges(view="text", interval=10)  # one process: its own GPU only
+    assert "GPU 1 memory" not in single.render()
+    single.close()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")  # only GPU 1 visible: nothing else to show
+    g = ck.Gauges(view="text", interval=10, all_gpus=True)
+    assert "GPU 1 memory" not in g.render() and "9.0 GiB / 15.0 GiB" in g.render()
+    g.close()
+
+
 def test_na_everywhere_without_a_gpu(fake_nvml):
     fake_nvml.init_error = "no driver"
     g = ck.Gauges(view="text", interval=10)
