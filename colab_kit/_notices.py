@@ -15,9 +15,12 @@ log = logging.getLogger("colab_kit")
 
 
 class Notices:
-    def __init__(self) -> None:
+    """Args: silent: keep messages out of the output (a follower rank: rank 0 says it once)."""
+
+    def __init__(self, silent: bool = False) -> None:
         self._queue: collections.deque[str] = collections.deque(maxlen=200)
         self._lock = threading.Lock()
+        self.silent = silent
 
     def add(self, message: str) -> None:
         log.info(message)  # show() prints it; a warning would print it twice through logging's last resort
@@ -29,7 +32,7 @@ class Notices:
         with self._lock:
             messages = list(self._queue)
             self._queue.clear()
-        for message in messages:
+        for message in messages if not self.silent else ():
             print(f"colab_kit warning: {message}", file=sys.stderr, flush=True)
         return len(messages)
 

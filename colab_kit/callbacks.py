@@ -14,6 +14,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
+from . import ranks
 from ._units import format_age, format_bytes
 from .best import restore_best, step_of
 from .checkpoint import checkpoint_dir
@@ -49,7 +50,8 @@ class SaveScheduleCallback(TrainerCallback):
         step = state.global_step
         due = bool(self.run.save_every_steps and step % self.run.save_every_steps == 0)
         if self.run.save_every_s is not None:
-            due |= self.run.clock.seconds - self._last_save_seconds >= self.interval()
+            # Each rank's clock differs: rank 0 decides, every rank saves (the Trainer's save is collective).
+            due |= ranks.from_writer(self.run.clock.seconds - self._last_save_seconds >= self.interval())
         due |= bool(state.max_steps) and step >= state.max_steps  # the final state is always kept
         if due and step != self._last_saved_step:
             control.should_save = True
@@ -122,15 +124,27 @@ class DriveSyncCallback(TrainerCallback):
         restore_best(self.run.resume_best, args, state)
 
     def on_save(self, args, state, control, **kwargs):
-        if not state.is_world_process_zero:
-            return
         started = time.perf_counter()
         step = state.global_step
+        folder = checkpoint_dir(Path(args.output_dir), step)
+        world = max(1, int(getattr(args, "world_size", 1) or 1))  # the Trainer's: one file per rank it trains on
+        rank_files = [] if getattr(args, "save_only_model", False) or world < 2 else \
+            [f"rng_state_{getattr(args, 'process_index', 0)}.pth"]
+        # Every rank has written its files when it gets here; this also waits for all of them (a
+        # barrier before the snapshot) and brings each rank's RNG state to rank 0 across nodes.
+        ranks.gather_rank_files(folder, rank_files)
+        if not (state.is_world_process_zero and self.run.ranks.writer):
+            return
         # Set before the upload is queued: a queued best checkpoint is never superseded.
         self.run.mirror.best_step = step_of(state.best_model_checkpoint)
-        folder = checkpoint_dir(Path(args.output_dir), step)
         if not folder.is_dir():
             self.run.notices.add(f"the Trainer reported a save at step {step} but {folder} does not exist")
+            return
+        missing = ranks.rank_files_missing(folder, world) if rank_files else []
+        if missing:  # a resume from it could not be exact: not published
+            self.run.notices.add(f"checkpoint-{step} lacks {', '.join(missing)} (the RNG state of those ranks), so it "
+                                 f"is not uploaded; the next checkpoint will be")
+            self.run.journal.write("warn", what="rank_files_missing", step=step, missing=missing)
             return
         kit_state = {"step": step, "train_seconds": round(self.run.clock.seconds, 3), "time": time.time()}
         snapshot = take_snapshot(folder, self.run.local_dir / SNAPSHOTS, step, self.run.fingerprint, kit_state)
@@ -167,7 +181,8 @@ class GaugesCallback(TrainerCallback):
 
         self.gauges = Gauges(total_steps=state.max_steps or None, title=f"run {run.name!r}",
                              local_dir=run.local_dir, drive_dir=run.drive_dir,
-                             save_html=run.drive_dir / "gauges.html", on_warn=warn)
+                             save_html=run.drive_dir / "gauges.html", on_warn=warn,
+                             all_gpus=run.ranks.local_world_size > 1)
         self.gauges.update(step=state.global_step, **self._status())
 
     def on_step_end(self, args, state, control, **kwargs):

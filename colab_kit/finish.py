@@ -7,6 +7,8 @@ cloud, so that evaluation cells are not held up; the notebook's last `run.finish
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 
 from ._units import format_age, format_bytes
@@ -19,6 +21,16 @@ __all__ = ["finish_run", "report", "flush_drive"]
 
 def finish_run(run, timeout: float | None, status: str, *, flush: bool = False, cloud_wait: bool = True) -> dict:
     """The body of `Run.finish` (see its docstring); `cloud_wait=False` at the end of `run.train`."""
+    if os.getpid() != run._pid:  # a forked copy: the uploader and the lease belong to the original
+        print(f"colab_kit: run {run.name!r} belongs to process {run._pid}; nothing to finish in this forked "
+              f"copy (call ck.start_run inside the function given to notebook_launcher)", file=sys.stderr)
+        return {"status": "not this process", "synced": False, "in_cloud": False}
+    if not run.ranks.writer:  # a follower: rank 0 writes, waits and reports
+        run.clock.stop()
+        if not run._finished:
+            run._finished = True
+            run._summary = run.status() | {"status": status, "synced": None, "in_cloud": None}  # rank 0 knows
+        return dict(run._summary)
     deadline = None if timeout is None else time.monotonic() + timeout
     if run._finished:  # again: wait for what is still on its way to the cloud
         in_cloud = run.mirror.tracker.wait(deadline)

@@ -142,7 +142,9 @@ class Lease:
         if confirmed is None or confirmed.session != self.info.session:
             raise LeaseHeldError(f"another runtime claimed {self.path.parent} at the same moment; "
                                  f"run ck.start_run({run_name!r}) again in a minute")
-        return previous if previous is not None and previous.session != self.info.session else None
+        # A lease released at a clean finish was not taken over from anyone.
+        taken = previous is not None and previous.session != self.info.session and not previous.released
+        return previous if taken else None
 
     def _dead_while_watched(self, previous: LeaseInfo, on_watch) -> bool:
         """Watch `previous` for WATCH_BEATS heartbeats: True when its heartbeat did not advance."""

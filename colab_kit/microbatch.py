@@ -19,9 +19,9 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from . import storage
+from . import ranks, storage
 from ._units import format_bytes
-from .oom import MicroBatcher, batch_size, describe_memory, memory_numbers
+from .oom import ELSEWHERE, MicroBatcher, batch_size, describe_memory, memory_numbers
 from .recipes import checkpointing_requested
 
 __all__ = ["MICRO_BATCH_FILE", "MicroBatchMemory", "TrainerMicroBatching"]
@@ -95,9 +95,9 @@ class TrainerMicroBatching:
         self.run = run
         self.trainer = trainer
         self.memory = MicroBatchMemory(run.drive_dir / MICRO_BATCH_FILE, run.notices)
-        self.train = MicroBatcher(micro_batch, on_backoff=self._on_backoff, grow_back_after=grow_back_after,
-                                  diagnose=self._diagnosis)
-        self.eval = MicroBatcher(on_backoff=self._on_backoff, diagnose=self._diagnosis)
+        self.train = MicroBatcher(micro_batch, on_backoff=lambda r: self._on_backoff(r, training=True),
+                                  grow_back_after=grow_back_after, diagnose=self._diagnosis)
+        self.eval = MicroBatcher(on_backoff=lambda r: self._on_backoff(r, training=False), diagnose=self._diagnosis)
         self.after_step = False  # True between a training step and the next: the optimizer's turn
         self._saved: dict | None = None
         self._gpu = run.runtime.gpu.name if run.runtime.gpu else "cpu"
@@ -187,6 +187,11 @@ class TrainerMicroBatching:
         t = self.trainer
         self.after_step = False
         model.train()
+        # Under DDP the micro-batches run through the wrapped module: its forward and backward then
+        # run no collective, so a rank that runs out of memory half-way leaves no other rank
+        # waiting in one. The ranks agree on the outcome, then the gradients are averaged once.
+        inner = ranks.unwrap_ddp(model)
+        net = inner if inner is not None else model
         if hasattr(t.optimizer, "train") and callable(t.optimizer.train):
             t.optimizer.train()
         custom_loss = t.compute_loss_func is not None
@@ -195,9 +200,9 @@ class TrainerMicroBatching:
             chunk = t._prepare_inputs(chunk)
             with t.compute_loss_context_manager():
                 if custom_loss:  # the user's loss normalises by the whole batch's item count
-                    loss = t.compute_loss(model, chunk, num_items_in_batch=num_items_in_batch)
+                    loss = t.compute_loss(net, chunk, num_items_in_batch=num_items_in_batch)
                 else:  # the model's own mean over this micro-batch, weighted below
-                    loss = t.compute_loss(model, chunk)
+                    loss = t.compute_loss(net, chunk)
             return loss.mean() if t.args.n_gpu > 1 else loss
 
         self._remembered(self.train, inputs)
@@ -206,6 +211,8 @@ class TrainerMicroBatching:
                                backward=t.accelerator.backward,
                                weight=(lambda c: 1.0) if custom_loss else self._items,
                                context={"step": t.state.global_step + 1})
+        if inner is not None:
+            ranks.reduce_gradients(inner)
         self.after_step = True
         return loss
 
@@ -226,16 +233,24 @@ class TrainerMicroBatching:
         return loss, _concat([o[1] for o in outputs]), _concat([o[2] for o in outputs])
 
     # -- reporting -------------------------------------------------------------------------------
-    def _on_backoff(self, report: dict) -> None:
+    def _on_backoff(self, report: dict, *, training: bool) -> None:
+        if not self.run.ranks.writer:  # every rank backs off alike; rank 0 says so and records it
+            return
         where, old, new = report["where"], report["from"], report["to"]
-        training = where != "evaluation"
         if training:
             self.memory.record(self._gpu, self.run.fingerprint["model"], self._seq, new)
-        what = "the effective batch" if training else "the evaluation batch"
-        print(f"colab_kit: out of memory in {where} at step {report.get('step')}: micro-batch {old} -> {new} "
-              f"({what} of {report['batch']} is kept; {describe_memory(report)})", flush=True)
+        world = self.run.ranks.world_size
+        what = f"the effective batch of {report['batch'] * world}" if training else \
+            f"the evaluation batch of {report['batch']}"
+        if world > 1:
+            what += f" ({report['batch']} per process x {world} processes)"
+        on = f" on rank {', '.join(map(str, report['ranks']))}" if report.get("ranks") else ""
+        place = f" in {where}" if where != ELSEWHERE else ""
+        print(f"colab_kit: out of memory{on}{place} at step {report.get('step')}: micro-batch {old} -> {new} "
+              f"({what} is kept; {describe_memory(report)})", flush=True)
         self.run.journal.write("oom", step=report.get("step"), where=where, micro_from=old, micro_to=new,
                                batch=report["batch"], seq_len=self._seq, error=report["error"],
+                               ranks=report.get("ranks"),
                                **{k: report[k] for k in ("gpu_used", "gpu_total", "reserved", "allocated")
                                   if k in report})
 

@@ -26,11 +26,13 @@ from ._units import format_bytes
 from .batching import batch_size, split_batch
 from .errors import ColabKitError, ColabKitWarning
 from .oomforms import is_fatal_cuda_error, is_oom_error
+from .ranks import agree_micro_batch, group
 
 __all__ = ["is_oom_error", "is_fatal_cuda_error", "free_memory", "OutOfMemoryError", "MicroBatcher",
            "split_batch", "batch_size", "memory_numbers", "describe_memory", "configure_allocator"]
 
 log = logging.getLogger(__name__)
+ELSEWHERE = "another process"  # where an out-of-memory error was, seen from a rank that had none
 
 
 class OutOfMemoryError(ColabKitError, MemoryError):
@@ -124,20 +126,6 @@ def free_memory(verbose: bool = True) -> dict:
     return {"dropped_references": dropped, "before": before, "after": after}
 
 
-def _agree(micro: int, failed: bool) -> tuple[int, bool]:
-    """Under torch.distributed, every rank adopts the smallest micro-batch and learns whether any
-    rank ran out of memory, so that no rank waits in a collective the others never reach."""
-    dist = sys.modules.get("torch.distributed")
-    if dist is None or not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
-        return micro, failed
-    import torch
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    values = torch.tensor([-micro, int(failed)], device=device)
-    dist.all_reduce(values, op=dist.ReduceOp.MAX)
-    return int(-values[0]), bool(values[1])
-
-
 class MicroBatcher:
     """Forward + backward of one optimizer step's batch in micro-batches, halving on OOM.
 
@@ -226,17 +214,23 @@ class MicroBatcher:
                 if not is_oom_error(exc):
                     raise
                 error = str(exc).splitlines()[0][:300]  # only text: the exception (and its frames) go
-            micro, failed = _agree(micro, error is not None)
-            if not failed:
+            # Several processes: all retry together, on the smallest size (no rank is left waiting
+            # in a collective that the others never reach).
+            micro, failed_ranks = agree_micro_batch(micro, error is not None)
+            if not failed_ranks:
                 self._succeeded(micro, rows)
                 return result
-            where = self.phase
+            where = self.phase if error is not None else ELSEWHERE
+            context = dict(context or {})
+            if group() is not None:
+                context["ranks"] = failed_ranks
+                error = error or f"out of memory on rank(s) {failed_ranks}"
             if on_retry is not None:
                 on_retry()
             _release()
             if micro <= 1:
                 raise OutOfMemoryError(self._bounded_message(where, error))
-            self._backoff(micro, max(1, micro // 2), where, error, rows, context or {})
+            self._backoff(micro, max(1, micro // 2), where, error, rows, context)
             micro = max(1, micro // 2)
 
     def _forward_backward(self, chunks, forward, backward, weigh):

@@ -13,6 +13,7 @@ is seeded with (seed + epoch), as accelerate does for the plain random sampler.
 
 from __future__ import annotations
 
+from .ranks import detect as detect_ranks
 from .runtime import RuntimeInfo, detect_runtime
 
 __all__ = ["memory_args", "make_length_grouping_resumable", "checkpointing_requested", "freeze_layers"]
@@ -20,7 +21,8 @@ __all__ = ["memory_args", "make_length_grouping_resumable", "checkpointing_reque
 
 def memory_args(runtime: RuntimeInfo | None = None, *, gradient_checkpointing: bool = False,
                 group_by_length: bool = True) -> dict:
-    """`TrainingArguments` keywords for memory: mixed precision per GPU, length grouping, checkpointing.
+    """`TrainingArguments` keywords for memory: mixed precision per GPU, length grouping, checkpointing
+    (and `use_cpu` when several processes are launched without a GPU, so that they train together).
 
     Example:
         >>> args = TrainingArguments(run.local_dir, **ck.memory_args(run.runtime), ...)
@@ -34,6 +36,8 @@ def memory_args(runtime: RuntimeInfo | None = None, *, gradient_checkpointing: b
         args["bf16" if gpu.bf16 else "fp16"] = True
     else:
         args["dataloader_pin_memory"] = False  # pinning needs a GPU; on a CPU it only warns
+        if detect_ranks().distributed:  # else the Trainer launched as several CPU processes trains each alone
+            args["use_cpu"] = True
     if group_by_length:
         if "train_sampling_strategy" in fields:  # transformers 5
             args["train_sampling_strategy"] = "group_by_length"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import time
 import weakref
@@ -25,6 +26,7 @@ from .drivefs import PLAIN
 from .errors import ColabKitError, DriveError
 from .journal import Journal
 from .lease import Lease, LeaseInfo
+from .ranks import Ranks
 from .runtime import RuntimeInfo
 from .sync import Mirror
 
@@ -66,6 +68,9 @@ class Run:
         resume_from: local path of the newest valid checkpoint, or None on a fresh run.
         resume_best: local path of the Trainer's best checkpoint named in it (fetched too), or None.
         runtime: what `start_run` detected (Colab, GPU, RAM limit).
+        ranks: this process's place among several (torchrun, accelerate, notebook_launcher):
+            rank 0 writes, the other ranks follow (`ranks.py`). Their `resume_from` is set when
+            `run.train` starts, from rank 0's choice.
         durability: what "in the cloud" means for `drive_dir`: "drivefs" (DriveFS reports each
             file's upload), "unconfirmed" (a Drive mount without those reports: nothing is ever
             called in the cloud) or "plain" (a local or network folder: written is enough).
@@ -76,8 +81,8 @@ class Run:
 
     def __init__(self, name: str, drive_dir: Path, local_dir: Path, *, on_drive: bool,
                  save_every_s: float | None, save_every_steps: int | None, keep: int,
-                 runtime: RuntimeInfo, lease: Lease, journal: Journal, notices: Notices, gauges: bool = True,
-                 kind: str = PLAIN, prune_after: str = "cloud"):
+                 runtime: RuntimeInfo, lease: Lease | None, journal: Journal, notices: Notices,
+                 gauges: bool = True, kind: str = PLAIN, prune_after: str = "cloud", ranks: Ranks | None = None):
         from . import __version__
 
         self.name = name
@@ -88,7 +93,8 @@ class Run:
         self.save_every_steps = save_every_steps
         self.keep = keep
         self.runtime = runtime
-        self.lease = lease
+        self.ranks = ranks or Ranks()
+        self.lease = lease  # None on a follower rank
         self.journal = journal
         self.notices = notices
         self.resume_from: Path | None = None
@@ -97,7 +103,8 @@ class Run:
         self.resume_state: dict = {}
         self.clock = _TrainClock()
         self.mirror = Mirror(drive_dir, keep=keep, journal=journal, notices=notices, kit_version=__version__,
-                             on_disconnected=self._want_remount, kind=kind, prune_after=prune_after)
+                             on_disconnected=self._want_remount, kind=kind, prune_after=prune_after,
+                             writer=self.ranks.writer)
         self.fingerprint: dict | None = None
         self.show_gauges = gauges
         self.last_saved_step: int | None = None
@@ -109,16 +116,18 @@ class Run:
         self._last_remount = 0.0
         self._finished = False
         self._summary: dict | None = None
+        self._pid = os.getpid()  # a forked copy (notebook_launcher) has none of this process's threads
 
     # -- callbacks and training ----------------------------------------------------------------
     def callbacks(self) -> list:
         """The kit's `transformers.TrainerCallback`s for this run (the same objects each call):
-        time/step-based saves, Drive mirroring and, unless `start_run(gauges=False)`, live gauges."""
+        time/step-based saves, Drive mirroring and, unless `start_run(gauges=False)`, live gauges
+        (on rank 0 only)."""
         if self._callbacks is None:
             from .callbacks import DriveSyncCallback, GaugesCallback, SaveScheduleCallback
 
             self._callbacks = [SaveScheduleCallback(self), DriveSyncCallback(self)]
-            if self.show_gauges:
+            if self.show_gauges and self.ranks.writer:
                 self._callbacks.append(GaugesCallback(self))
         return list(self._callbacks)
 
@@ -178,6 +187,9 @@ class Run:
         from .checkpoint import publish_folder
         from .manifest import Manifest, hash_folder
 
+        self._require_own_process("save the final model")
+        if not self.ranks.writer:  # rank 0 exports the (identical) model
+            return self.drive_dir / FINAL
         local = self.local_dir / FINAL
         if local.exists():
             shutil.rmtree(local)
@@ -211,8 +223,17 @@ class Run:
         return target
 
     def checkpoint_store(self):
-        """A `CheckpointStore` for plain PyTorch loops that shares this run's folder and uploader."""
+        """A `CheckpointStore` for plain PyTorch loops that shares this run's folder and uploader.
+
+        One process only: under several processes, the ranks of a plain loop would each save and
+        restore on their own, so this is refused on the followers (rank 0 may use it)."""
         from .store import CheckpointStore
+
+        self._require_own_process("open a checkpoint store")
+        if not self.ranks.writer:
+            raise ColabKitError(f"run.checkpoint_store() is for one process, and this is rank {self.ranks.rank} of "
+                                f"{self.ranks.world_size}: use the HF Trainer with run.train, which saves and resumes "
+                                f"every rank together, or save from rank 0 only and broadcast what it restores")
 
         return CheckpointStore(self.drive_dir, keep=self.keep, local_dir=self.local_dir,
                                _journal=self.journal, _notices=self.notices, _mirror=self.mirror)
@@ -307,7 +328,17 @@ class Run:
 
         return finish_run(self, timeout, status, flush=flush, cloud_wait=True)
 
+    def _require_own_process(self, what: str) -> None:
+        if os.getpid() != self._pid:
+            raise ColabKitError(
+                f"run {self.name!r} was opened by process {self._pid} and this is process {os.getpid()}, a copy "
+                f"made by fork (notebook_launcher starts each training process that way), so it cannot {what}: "
+                f"the uploader and the lease heartbeat do not run in a copy. Call ck.start_run({self.name!r}, ...) "
+                f"inside the function you pass to notebook_launcher, so that every process opens the run itself "
+                f"(rank 0 writes, the others follow)")
+
     def _require_open(self, what: str) -> None:
+        self._require_own_process(what)
         if self._finished:
             raise ColabKitError(f"run {self.name!r} is finished, so it cannot {what}; start it again "
                                 f"(it resumes from its newest checkpoint): ck.start_run({self.name!r})")

@@ -28,8 +28,9 @@ from .checkpoint import ARCHIVE, CHECKPOINTS, KIT_STATE, Found, find_latest, lis
 from .drive import resolve_root
 from .drivefs import describe_kind, folder_kind
 from .errors import DriveError
-from .journal import EVENTS, Journal
+from .journal import EVENTS, Journal, SilentJournal
 from .lease import Lease
+from .ranks import detect as detect_ranks
 from .run import _ACTIVE, Run, _TrainClock
 from .runtime import detect_runtime, in_colab
 from .snapshot import SNAPSHOTS, take_snapshot
@@ -136,6 +137,10 @@ def start_run(name: str, *, drive: str | os.PathLike | None = None, local_dir: s
         heartbeat_s: lease heartbeat interval (a lease is stale after 4 missed beats).
         quiet: do not print the summary.
 
+    Several processes (torchrun, `accelerate launch`, `notebook_launcher`: RANK and WORLD_SIZE
+    set): every rank calls start_run; rank 0 holds the lease, uploads, journals and prints, and
+    the others get a follower run that resumes from rank 0's checkpoint when `run.train` starts.
+
     Returns:
         The `Run`; `run.resume_from` is the checkpoint to continue from, or None.
 
@@ -161,6 +166,12 @@ def start_run(name: str, *, drive: str | os.PathLike | None = None, local_dir: s
                          f"folder>'") from exc
     local = Path(local_dir).absolute() if local_dir is not None else _default_local_dir(name)
     local.mkdir(parents=True, exist_ok=True)
+    ranks = detect_ranks()
+    if not ranks.writer:  # no lease, no uploader, no journal: rank 0 is the run's one writer
+        return Run(name, drive_dir, local, on_drive=on_drive, save_every_s=save_every_s,
+                   save_every_steps=save_every_steps, keep=keep, runtime=runtime, lease=None,
+                   journal=SilentJournal(), notices=Notices(silent=True), gauges=False,
+                   kind=folder_kind(drive_dir, on_drive=on_drive), prune_after=_PRUNE_AFTER, ranks=ranks)
 
     previous = _ACTIVE.get(str(drive_dir))
     if previous is not None and previous() is not None and not previous()._finished:
@@ -189,7 +200,7 @@ def start_run(name: str, *, drive: str | os.PathLike | None = None, local_dir: s
     archived = None if resume else _archive_checkpoints(drive_dir, local)
     run = Run(name, drive_dir, local, on_drive=on_drive, save_every_s=save_every_s,
               save_every_steps=save_every_steps, keep=keep, runtime=runtime, lease=lease,
-              journal=journal, notices=notices, gauges=gauges, kind=kind, prune_after=_PRUNE_AFTER)
+              journal=journal, notices=notices, gauges=gauges, kind=kind, prune_after=_PRUNE_AFTER, ranks=ranks)
 
     def skipped(path: Path, reason: str) -> None:
         notices.add(f"skipping checkpoint {path}: {reason}")
@@ -220,7 +231,7 @@ def start_run(name: str, *, drive: str | os.PathLike | None = None, local_dir: s
     journal.write("start", run=name, drive_dir=str(drive_dir), local_dir=str(local),
                   host=lease.info.host, pid=lease.info.pid, colab=runtime.colab,
                   gpu=runtime.gpu.name if runtime.gpu else None, ram_limit=runtime.ram_limit_bytes,
-                  save_every=save_every, keep=keep, durability=kind,
+                  save_every=save_every, keep=keep, durability=kind, world_size=ranks.world_size,
                   took_over=replaced.host if replaced else None, took_over_because=lease.took_over_because)
     if archived is not None:
         journal.write("archive", moved_to=str(archived))
@@ -245,6 +256,8 @@ def _summary(run: Run, found: Found | None, replaced, because: str | None, archi
              f"  persistent folder: {run.drive_dir}" + (" (Google Drive)" if run.on_drive else ""),
              f"  durability: {describe_kind(run.durability)}",
              f"  local folder: {run.local_dir}"]
+    if run.ranks.distributed:
+        lines.append(f"  processes: {run.ranks.describe()} (the others follow: no lease, uploads or output)")
     every = f"{save_every} of training" if run.save_every_s else (
         f"{run.save_every_steps} steps" if run.save_every_steps else "the Trainer's save_steps")
     lines.append(f"  saves: every {every} and at the end; {run.keep} kept in the cloud")

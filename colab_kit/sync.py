@@ -61,11 +61,14 @@ class Mirror:
             tests and `bench/work_at_risk.py` can show what it loses: prune once a newer manifest
             is written, delete at once, upload without waiting for the cloud, never stretch
             `save_every`.
+        writer: False for a follower rank (`ranks.py`): no worker thread, nothing is uploaded,
+            read or pruned; every snapshot is discarded.
     """
 
     def __init__(self, run_dir: str | Path, *, keep: int, journal: Journal, notices: Notices,
                  kit_version: str = "", on_disconnected: Callable[[], None] | None = None,
-                 backoff: tuple[float, float] = (2.0, 120.0), kind: str = PLAIN, prune_after: str = "cloud"):
+                 backoff: tuple[float, float] = (2.0, 120.0), kind: str = PLAIN, prune_after: str = "cloud",
+                 writer: bool = True):
         if prune_after not in ("cloud", "written"):
             raise ValueError(f"prune_after={prune_after!r}: use 'cloud' or 'written'")
         self.run_dir = Path(run_dir)
@@ -99,12 +102,18 @@ class Mirror:
         self._closed = False
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._loop, name="colab_kit-mirror", daemon=True)
-        self._thread.start()
+        self.writer = writer
+        if writer:
+            self._thread.start()
+        else:
+            self._closed = True
 
     # -- main-thread API -------------------------------------------------------------------
     def adopt_existing(self) -> None:
         """Learn the cloud state of the checkpoints already in the folder (a restart), and let the
         worker prune what the rules allow (leftovers of a killed run among them)."""
+        if not self.writer:
+            return
         for step, path in list_checkpoints(self.run_dir / CHECKPOINTS):
             try:
                 manifest = read_manifest(path)
@@ -150,13 +159,14 @@ class Mirror:
         return self._paused
 
     def drain(self, timeout: float | None = None) -> bool:
-        """Wait until every submitted checkpoint is written; False on timeout or when paused."""
+        """Wait until every submitted checkpoint is written; False on timeout, when paused, or when
+        the worker thread is not alive (a process forked from the one that started it)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             if self._paused:
                 return False
             while self._current is not None or self._queued:
-                if self._paused:
+                if self._paused or not self._thread.is_alive():
                     return False
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
@@ -189,7 +199,7 @@ class Mirror:
     def prune_now(self, deadline: float) -> None:
         """After `close()`: one pruning pass in the calling thread (the checkpoints that reached the
         cloud after the run finished allow it), waiting for its deletions until `deadline`."""
-        if self._thread.is_alive() or self._paused:
+        if self._thread.is_alive() or self._paused or not self.writer:
             return
         try:
             self._prune()
@@ -203,7 +213,8 @@ class Mirror:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-        self._thread.join(timeout=timeout)
+        if self._thread.is_alive():
+            self._thread.join(timeout=timeout)
 
     # -- worker ------------------------------------------------------------------------------
     def _loop(self) -> None:

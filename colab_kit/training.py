@@ -13,13 +13,15 @@ from pathlib import Path
 from ._units import is_count
 from .best import TRAINER_STATE, early_stopped, restore_best
 from .checkpoint import ARCHIVE
-from .errors import ResumeMismatchError
+from .errors import ColabKitError, ResumeMismatchError
+from .ranks import agree_resume
 from .recipes import make_length_grouping_resumable
 
 __all__ = ["train", "trainer_fingerprint", "check_compatible", "adjust_args", "planned_max_steps"]
 
 # Fingerprint fields that make a checkpoint unusable; the others only earn a warning.
-INCOMPATIBLE = {"model": "model tensor names/shapes", "effective_batch": "effective batch size"}
+INCOMPATIBLE = {"model": "model tensor names/shapes", "effective_batch": "effective batch size",
+                "world_size": "number of processes (each has its own data shard and RNG state)"}
 
 
 def train(run, trainer, *, oom_recovery: bool = True, grow_back_after: int | None = None,
@@ -40,6 +42,14 @@ def train(run, trainer, *, oom_recovery: bool = True, grow_back_after: int | Non
     for cb in run.callbacks():
         if type(cb) not in present:
             trainer.add_callback(cb)
+    agree_resume(run)  # several processes: every rank resumes from rank 0's checkpoint
+    if run.ranks.distributed and int(getattr(trainer.args, "world_size", 1) or 1) == 1:
+        # Every process would train the whole model alone and write the same checkpoint files.
+        raise ColabKitError(
+            f"{run.ranks.world_size} processes were launched, but the Trainer does not share the training between "
+            f"them (TrainingArguments.parallel_mode is {getattr(trainer.args, 'parallel_mode', '?')}), so each "
+            f"would train alone and overwrite the others' checkpoints. Without a GPU, pass use_cpu=True to "
+            f"TrainingArguments; or launch a single process")
     check_compatible(run, trainer.model, trainer.args)
     adjust_args(run, trainer.args)
     make_length_grouping_resumable(trainer)
@@ -116,6 +126,7 @@ def trainer_fingerprint(model, args) -> dict:
     fp = model_signature(model)
     world = max(1, int(getattr(args, "world_size", 1) or 1))
     fp["effective_batch"] = int(args.per_device_train_batch_size * args.gradient_accumulation_steps * world)
+    fp["world_size"] = world
     for key in ("per_device_train_batch_size", "gradient_accumulation_steps", "learning_rate",
                 "seed", "max_steps", "num_train_epochs", "warmup_steps", "weight_decay"):
         fp[key] = getattr(args, key, None)

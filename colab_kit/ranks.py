@@ -1,0 +1,291 @@
+"""Several processes, one run (torchrun, `accelerate launch`, `notebook_launcher`): who does what.
+
+Every rank-dependent decision of the kit lives here. Global rank 0 is the run's one writer: the
+lease and its heartbeat, the mirror and its pruning, the journal, `gauges.html`,
+`micro_batch.json` and `final/`. The other ranks follow: no lease, no uploader, no output of
+their own. On every node local rank 0 fetches the checkpoint to resume from into that node's
+local folder; rank 0's choice of step is broadcast and every rank checks that it can read it.
+
+The ranks come from the environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE: torchrun,
+`accelerate launch` and `notebook_launcher` set them), because `start_run` usually runs before
+the Trainer has created the process group. Collectives are used only once it exists; without
+it every helper here is the single-process answer, so the kit's code calls them unconditionally.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["Ranks", "detect", "group", "barrier", "from_writer", "broadcast_object", "all_agree",
+           "agree_micro_batch", "gather_rank_files", "rank_files_missing", "reduce_gradients", "unwrap_ddp",
+           "agree_resume"]
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This process's place among the processes of one launch."""
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+
+    @property
+    def writer(self) -> bool:
+        """Global rank 0: the only process that writes to the persistent folder."""
+        return self.rank == 0
+
+    @property
+    def node_leader(self) -> bool:
+        """Local rank 0: fetches the checkpoint to resume from for its node."""
+        return self.local_rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    def describe(self) -> str:
+        if not self.distributed:
+            return "1 process"
+        nodes = max(1, self.world_size // max(1, self.local_world_size))
+        where = f" on {nodes} nodes" if nodes > 1 else ""
+        return (f"{self.world_size} processes{where}; this is rank {self.rank}"
+                + (", the one that writes to the persistent folder" if self.writer else ", a follower"))
+
+
+def _int(environ, name: str, default: int) -> int:
+    value = environ.get(name)
+    if value in (None, ""):
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r} in the environment is not a whole number; it is set by the "
+                         f"launcher (torchrun, accelerate launch, notebook_launcher), so unset it or fix it") from None
+
+
+def detect(environ=None) -> Ranks:
+    """This process's ranks, from the launcher's environment variables (1 process when unset)."""
+    environ = os.environ if environ is None else environ
+    world = _int(environ, "WORLD_SIZE", 1)
+    rank = _int(environ, "RANK", 0)
+    local_rank = _int(environ, "LOCAL_RANK", rank if world > 1 else 0)
+    local_world = _int(environ, "LOCAL_WORLD_SIZE", world)
+    if world < 1 or not 0 <= rank < world or not 0 <= local_rank < max(local_world, 1):
+        raise ValueError(f"inconsistent launcher environment: RANK={rank}, LOCAL_RANK={local_rank}, "
+                         f"WORLD_SIZE={world}, LOCAL_WORLD_SIZE={local_world}")
+    return Ranks(rank, local_rank, world, local_world)
+
+
+# -- collectives (single-process answers without a process group) --------------------------------
+
+def group():
+    """`torch.distributed` when its default process group exists with more than one rank, else None."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
+        return None
+    return dist
+
+
+def _device(dist):
+    import torch
+
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def barrier() -> None:
+    dist = group()
+    if dist is not None:
+        dist.barrier()
+
+
+def from_writer(value: bool) -> bool:
+    """Rank 0's `value` on every rank (one small broadcast): a decision only rank 0 can make."""
+    dist = group()
+    if dist is None:
+        return value
+    import torch
+
+    flag = torch.tensor([int(bool(value))], device=_device(dist))
+    dist.broadcast(flag, src=0)
+    return bool(flag.item())
+
+
+def broadcast_object(obj):
+    """Rank 0's `obj` (picklable) on every rank."""
+    dist = group()
+    if dist is None:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def all_agree(ok: bool) -> list[int]:
+    """The ranks for which `ok` is False (every rank learns them); [] when all are fine."""
+    dist = group()
+    if dist is None:
+        return [] if ok else [0]
+    import torch
+
+    flags = torch.zeros(dist.get_world_size(), dtype=torch.int64, device=_device(dist))
+    flags[dist.get_rank()] = 0 if ok else 1
+    dist.all_reduce(flags)
+    return [r for r, bad in enumerate(flags.tolist()) if bad]
+
+
+def agree_micro_batch(micro: int, failed: bool) -> tuple[int, list[int]]:
+    """Every rank adopts the smallest micro-batch and learns which ranks ran out of memory, so that
+    all of them retry a step together and no rank waits in a collective the others never reach."""
+    dist = group()
+    if dist is None:
+        return micro, [0] if failed else []
+    import torch
+
+    values = torch.zeros(dist.get_world_size() + 1, dtype=torch.int64, device=_device(dist))
+    values[0] = -micro
+    values[1 + dist.get_rank()] = int(failed)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return int(-values[0]), [r for r, bad in enumerate(values[1:].tolist()) if bad]
+
+
+def gather_rank_files(folder: Path, names: list[str]) -> int:
+    """Copy each rank's `names` (small files, such as its RNG state) into rank 0's `folder`, where rank 0
+    cannot see them (another node's local disk). Collective; returns how many files rank 0 wrote."""
+    dist = group()
+    if dist is None:
+        return 0
+    mine = {}
+    for name in names:
+        path = Path(folder) / name
+        if path.is_file():
+            mine[name] = path.read_bytes()
+    gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(mine, gathered, dst=0)
+    written = 0
+    if dist.get_rank() == 0:
+        for files in gathered[1:]:
+            for name, data in (files or {}).items():
+                target = Path(folder) / name
+                if not target.exists():
+                    target.write_bytes(data)
+                    written += 1
+    return written
+
+
+def rank_files_missing(folder: Path, world_size: int) -> list[str]:
+    """The per-rank RNG files (`rng_state_<r>.pth`, written by the Trainer) missing from a checkpoint."""
+    if world_size < 2:
+        return []
+    return [f"rng_state_{r}.pth" for r in range(world_size) if not (Path(folder) / f"rng_state_{r}.pth").is_file()]
+
+
+# -- gradients ---------------------------------------------------------------------------------
+
+def unwrap_ddp(model):
+    """The module inside DistributedDataParallel (its forward and backward run no collective), or None."""
+    torch = sys.modules.get("torch")
+    ddp = getattr(getattr(getattr(torch, "nn", None), "parallel", None), "DistributedDataParallel", None)
+    return model.module if ddp is not None and isinstance(model, ddp) else None
+
+
+def reduce_gradients(module) -> None:
+    """Average the gradients of `module`'s parameters across ranks, as DDP's backward would have.
+
+    A parameter with a gradient on some ranks only gets zeros on the others (DDP's handling of
+    unused parameters); one with no gradient anywhere keeps None. Gradients are flattened per
+    dtype and device so that a step costs a few collectives, not one per tensor.
+    """
+    dist = group()
+    if dist is None:
+        return
+    import torch
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    params = [p for p in module.parameters() if p.requires_grad]
+    device = _device(dist)
+    has = torch.tensor([int(p.grad is not None) for p in params], dtype=torch.int64, device=device)
+    dist.all_reduce(has, op=dist.ReduceOp.MAX)
+    for p, anywhere in zip(params, has.tolist()):
+        if anywhere and p.grad is None:
+            p.grad = torch.zeros_like(p)
+    buckets: dict = {}
+    for p in params:
+        if p.grad is not None:
+            buckets.setdefault((p.grad.dtype, p.grad.device), []).append(p.grad)
+    world = dist.get_world_size()
+    for grads in buckets.values():
+        flat = _flatten_dense_tensors(grads)
+        dist.all_reduce(flat)
+        flat /= world
+        for grad, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+            grad.copy_(reduced)
+
+
+# -- resume ------------------------------------------------------------------------------------
+
+def agree_resume(run) -> None:
+    """Make every rank resume from rank 0's checkpoint (once the process group exists).
+
+    Rank 0 chose in `start_run`; its step (and its best checkpoint's) is broadcast. On every node
+    local rank 0 fetches that step from the persistent folder unless its local folder already
+    holds a verified copy (the same node as rank 0); the other ranks wait, then check the copy.
+    Any rank that cannot read it stops every rank with the same error. No rank deletes anything.
+
+    Raises:
+        CheckpointError: a rank has no readable copy of the chosen checkpoint.
+    """
+    from .checkpoint import CHECKPOINTS, checkpoint_dir, find_latest
+    from .errors import CheckpointError
+    from .manifest import read_manifest, verify_folder
+
+    if group() is None:
+        if run.ranks.distributed:
+            raise CheckpointError(f"WORLD_SIZE={run.ranks.world_size} but torch.distributed is not initialised, so the "
+                              f"ranks cannot agree on the checkpoint to resume from: create the Trainer (its "
+                              f"TrainingArguments start torch.distributed) before calling run.train")
+        return
+    mine = run.resume_manifest.step if run.resume_manifest is not None else None
+    chosen = broadcast_object({"step": mine, "best": run.mirror.best_step if mine is not None else None})
+    step, best = chosen["step"], chosen["best"]
+
+    def local_copy(wanted: int):
+        path = checkpoint_dir(run.local_dir, wanted)
+        try:
+            manifest = read_manifest(path)
+            if manifest.step == wanted and verify_folder(path, manifest, hashes=False) is None:
+                return path, manifest
+        except (OSError, ValueError):
+            pass
+        return None, None
+
+    problem = None
+    if step is not None:
+        if run.ranks.node_leader and not run.ranks.writer:
+            for wanted in {step, best} - {None}:
+                if local_copy(wanted)[0] is None:
+                    try:
+                        find_latest([("drive", run.drive_dir / CHECKPOINTS)], run.local_dir,
+                                    on_skip=lambda path, why: None, step=wanted)
+                    except OSError as exc:
+                        problem = f"fetching checkpoint-{wanted} failed: {exc}"
+        barrier()  # the node's other ranks wait for its fetch
+        path, manifest = local_copy(step)
+        if path is None:
+            problem = problem or f"no verified copy of checkpoint-{step} in {run.local_dir}"
+        elif not run.ranks.writer:
+            run.resume_from, run.resume_manifest = path, manifest
+            run.resume_best = local_copy(best)[0] if best is not None else None
+    elif not run.ranks.writer:
+        run.resume_from = run.resume_manifest = run.resume_best = None
+    failed = all_agree(problem is None)
+    if failed:
+        here = f" (rank {run.ranks.rank}: {problem})" if problem else ""
+        raise CheckpointError(f"rank(s) {failed} cannot read checkpoint-{step}, which rank 0 resumes from{here}. Every "
+                          f"rank needs it in its local folder: give every rank of a node the same local_dir (the "
+                          f"default), and let every node read the persistent folder {run.drive_dir}")
