@@ -34,6 +34,15 @@ def mirror(drive):
     m.close()
 
 
+@pytest.fixture
+def held_uploads(monkeypatch):
+    """Copies to the persistent folder wait (at most 5 s) until the returned event is set."""
+    gate = threading.Event()
+    copy = storage.copy_file
+    monkeypatch.setattr(storage, "copy_file", lambda s, d: (gate.wait(5), copy(s, d))[1])
+    return gate
+
+
 def submit(mirror, local, step, **kw):
     folder = local_checkpoint(local, step, **kw)
     mirror.submit(take_snapshot(folder, local / ".snapshots", step, {"model": "abc"}))
@@ -63,10 +72,8 @@ def test_data_files_first_manifest_last_and_verified(mirror, drive, local, monke
     assert cloud["step"] == 10 and cloud["bytes"] == sync["bytes"] and cloud["seconds"] >= 0
 
 
-def test_snapshot_survives_trainer_pruning_the_source(mirror, drive, local, monkeypatch):
-    gate = threading.Event()
-    copy = storage.copy_file
-    monkeypatch.setattr(storage, "copy_file", lambda s, d: (gate.wait(5), copy(s, d))[1])
+def test_snapshot_survives_trainer_pruning_the_source(mirror, drive, local, held_uploads):
+    gate = held_uploads
     import shutil
 
     source = submit(mirror, local, 10)
@@ -76,10 +83,8 @@ def test_snapshot_survives_trainer_pruning_the_source(mirror, drive, local, monk
     assert verify_folder(drive / "checkpoints" / "checkpoint-10") is None
 
 
-def test_newer_checkpoint_supersedes_the_queued_one(mirror, drive, local, monkeypatch):
-    gate = threading.Event()
-    copy = storage.copy_file
-    monkeypatch.setattr(storage, "copy_file", lambda s, d: (gate.wait(5), copy(s, d))[1])
+def test_newer_checkpoint_supersedes_the_queued_one(mirror, drive, local, held_uploads):
+    gate = held_uploads
     submit(mirror, local, 10)
     time.sleep(0.1)  # 10 is in flight
     submit(mirror, local, 20)
@@ -92,10 +97,8 @@ def test_newer_checkpoint_supersedes_the_queued_one(mirror, drive, local, monkey
     assert not (local / ".snapshots" / "checkpoint-20").exists()
 
 
-def test_the_best_checkpoint_is_never_superseded_in_the_queue(mirror, drive, local, monkeypatch):
-    gate = threading.Event()
-    copy = storage.copy_file
-    monkeypatch.setattr(storage, "copy_file", lambda s, d: (gate.wait(5), copy(s, d))[1])
+def test_the_best_checkpoint_is_never_superseded_in_the_queue(mirror, drive, local, held_uploads):
+    gate = held_uploads
     submit(mirror, local, 10)
     time.sleep(0.1)  # 10 is in flight
     mirror.best_step = 20
