@@ -7,6 +7,7 @@ so workers queue their messages here and the training loop's callbacks show them
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import sys
 import threading
@@ -62,3 +63,28 @@ class Countdown:
         elif time.monotonic() - self._last >= self._every:
             self._last = time.monotonic()
             print(text, file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def no_shard_bars():
+    """Hide transformers' "Writing model shards" progress bar (one per checkpoint: a notebook that
+    saves every few minutes fills with them) while the block runs; every other bar is left alone."""
+    try:
+        from transformers.utils import logging as hf_logging
+
+        set_hook = hf_logging.set_tqdm_hook  # transformers 5: the bar and the hook came together
+    except (ImportError, AttributeError):
+        yield
+        return
+    previous = None
+
+    def hook(factory, args, kwargs):
+        if kwargs.get("desc") == "Writing model shards":
+            return hf_logging.EmptyTqdm(*args, **kwargs)
+        return previous(factory, args, kwargs) if previous is not None else factory(*args, **kwargs)
+
+    previous = set_hook(hook)
+    try:
+        yield
+    finally:
+        set_hook(previous)

@@ -17,7 +17,7 @@ import weakref
 from pathlib import Path
 
 from . import storage
-from ._notices import Notices
+from ._notices import Notices, no_shard_bars
 from ._units import format_bytes
 from .checkpoint import FINAL
 from .cloud import upload_for
@@ -193,7 +193,8 @@ class Run:
         local = self.local_dir / FINAL
         if local.exists():
             shutil.rmtree(local)
-        model.save_pretrained(local, safe_serialization=True)
+        with no_shard_bars():
+            model.save_pretrained(local, safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(local)
         metrics_json = (json.dumps(metrics, indent=1, default=float) + "\n").encode() if metrics is not None else None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from ._notices import no_shard_bars
 from ._units import is_count
 from .best import TRAINER_STATE, early_stopped, restore_best
 from .checkpoint import ARCHIVE
@@ -62,7 +63,8 @@ def train(run, trainer, *, oom_recovery: bool = True, grow_back_after: int | Non
         if _already_complete(run, trainer, train_kwargs.get("resume_from_checkpoint")):
             output = _load_completed(run, trainer, Path(train_kwargs["resume_from_checkpoint"]))
         else:
-            output = trainer.train(**train_kwargs)
+            with no_shard_bars():
+                output = trainer.train(**train_kwargs)
         status = "completed"
         return output
     except KeyboardInterrupt:

@@ -113,6 +113,20 @@ def test_callbacks_are_added_once(drive, local):
     assert kinds.count(SaveScheduleCallback) == 1 and kinds.count(DriveSyncCallback) == 1
 
 
+def test_saves_and_the_export_print_no_shard_bars_and_leave_other_bars_alone(drive, local, capsys):
+    from transformers.utils import logging as hf_logging
+
+    run = start(drive, local, save_every=2, quiet=True)
+    trainer = tiny_trainer(run, max_steps=6)
+    run.train(trainer)
+    run.save_final(trainer.model)
+    out = capsys.readouterr()
+    assert "Writing model shards" not in out.out + out.err  # 3 checkpoints and final/: 4 bars before
+    assert hf_logging._tqdm_hook is None  # put back as it was
+    trainer.save_model(str(local / "plain-save"))  # outside the kit, the Trainer's own bar is back
+    assert "Writing model shards" in capsys.readouterr().err
+
+
 def test_final_step_is_always_saved_and_rerun_does_not_train_again(drive, local, capsys):
     run = start(drive, local, save_every="1h", quiet=True)
     run.train(tiny_trainer(run, max_steps=7))
