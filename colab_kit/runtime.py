@@ -13,7 +13,8 @@ from pathlib import Path
 
 from ._units import format_bytes
 
-__all__ = ["GpuInfo", "RuntimeInfo", "in_colab", "in_notebook", "gpu_info", "host_ram_limit", "detect_runtime"]
+__all__ = ["GpuInfo", "RuntimeInfo", "in_colab", "in_notebook", "gpu_info", "host_ram_limit", "detect_runtime",
+           "require_gpu"]
 
 # cgroup v1/v2 report "no limit" as a huge number close to 2**63.
 _UNLIMITED = 1 << 60
@@ -183,3 +184,22 @@ def detect_runtime() -> RuntimeInfo:
     """Everything above in one snapshot."""
     return RuntimeInfo(colab=in_colab(), notebook=in_notebook(), gpu=gpu_info(),
                        ram_limit_bytes=host_ram_limit())
+
+
+def require_gpu(what: str, *, allow_cpu: bool = False, cpu_time: str = "", gpu: GpuInfo | None = None) -> None:
+    """Stop at once when `what` (a GPU-sized preset) would run on a runtime without a GPU.
+
+    A notebook's `full` preset on a CPU-only runtime runs for days; failing in its first cell
+    says how to get a GPU instead. `allow_cpu=True` (the notebooks' ALLOW_CPU) lets it run.
+
+    Raises:
+        ColabKitError: no GPU and not `allow_cpu`, with the ways forward.
+    """
+    from .errors import ColabKitError
+
+    if allow_cpu or (gpu or gpu_info()) is not None:
+        return
+    raise ColabKitError(
+        f"{what} needs a GPU, and this runtime has none" + (f": on a CPU it would take {cpu_time}" if cpu_time else "")
+        + ". In Colab: Runtime -> Change runtime type -> Hardware accelerator: T4 GPU -> Save, then Runtime -> "
+        "Run all. Or set PRESET = \"quick\" (minutes on a CPU), or ALLOW_CPU = True to run it on the CPU anyway")

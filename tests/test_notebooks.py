@@ -68,6 +68,21 @@ def run_notebook(path, workdir, *params, popen=False):
     return subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=900)
 
 
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_the_full_preset_without_a_gpu_stops_at_once_unless_allowed(path, tmp_path):
+    started = time.monotonic()
+    proc = run_notebook(path, tmp_path, ("PRESET", "full"))
+    seconds = time.monotonic() - started
+    text = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and 'PRESET = "full" needs a GPU, and this runtime has none' in text, text[-3000:]
+    assert "T4 GPU" in text and "ALLOW_CPU = True" in text
+    assert not (tmp_path / "drive").exists()  # stopped before start_run made anything
+    assert seconds < 90, f"took {seconds:.0f} s (kernel start included)"
+    # ALLOW_CPU=True goes past the check (and here stops later, at the model download: no network)
+    allowed = run_notebook(path, tmp_path, ("PRESET", "full"), ("ALLOW_CPU", "True"), ("MAX_STEPS", "1"))
+    assert "needs a GPU" not in allowed.stdout + allowed.stderr and (tmp_path / "drive").exists()
+
+
 def events(run_dir):
     from colab_kit.journal import read_events
 

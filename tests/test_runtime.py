@@ -3,6 +3,7 @@
 import sys
 import types
 
+import pytest
 
 from colab_kit import runtime
 
@@ -101,3 +102,15 @@ def test_in_colab_follows_the_google_colab_module(fake_colab, monkeypatch):
 
 def test_not_in_notebook_under_pytest():
     assert runtime.in_notebook() is False
+
+
+def test_require_gpu_stops_a_gpu_preset_on_a_cpu_unless_allowed(monkeypatch):
+    import colab_kit as ck
+    from colab_kit.runtime import GpuInfo, require_gpu
+
+    monkeypatch.setattr(runtime, "gpu_info", lambda: None)  # a runtime without a GPU
+    with pytest.raises(ck.ColabKitError, match=r'PRESET = "full" needs a GPU.*would take about two days.*T4 GPU'
+                                               r'.*ALLOW_CPU = True'):
+        require_gpu('PRESET = "full"', cpu_time="about two days", gpu=None)
+    require_gpu('PRESET = "full"', allow_cpu=True)  # told to: no error
+    require_gpu('PRESET = "full"', gpu=GpuInfo(name="Tesla T4", total_bytes=15 << 30, compute_capability=(7, 5)))
