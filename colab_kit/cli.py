@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import ast
+import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -53,7 +55,44 @@ def run_notebook(notebook: str, parameters: dict, output: str | None, timeout: i
               f"see {out} for the full output", file=sys.stderr)
         return 1
     print(f"done in {time.monotonic() - started:.0f} s; output notebook: {out}")
+    for line in headline(out):
+        print(line)
     return 0
+
+
+_RUN_FOLDER = re.compile(r"persistent folder: (.+?)(?: \(Google Drive\))?$", re.M)
+
+
+def headline(executed: Path) -> list[str]:
+    """What the user ran the notebook for: its run's metrics.json in a few lines, the run folder
+    (the first `start_run` summary in the outputs) and the newest checkpoint; [] when none is found."""
+    try:
+        cells = json.loads(Path(executed).read_text())["cells"]
+    except (OSError, ValueError, KeyError):
+        return []
+    texts = ["".join(o.get("text", "")) + "".join(o.get("data", {}).get("text/plain", ""))
+             for c in cells for o in c.get("outputs", [])]
+    found = next((m.group(1).strip() for t in texts for m in [_RUN_FOLDER.search(t)] if m), None)
+    if found is None:
+        return []
+    run_dir = Path(found)
+    lines = []
+    try:
+        summary = json.loads((run_dir / "metrics.json").read_text())
+    except (OSError, ValueError):
+        summary = {}
+    for name, m in (summary.get("metrics") or {}).items():  # classification: accuracy, macro-F1, MCC per test set
+        if isinstance(m, dict) and "accuracy" in m:
+            lines.append(f"{name}: accuracy {m['accuracy']:.3f}, macro-F1 {m.get('macro_f1', float('nan')):.3f}, "
+                         f"MCC {m.get('mcc', float('nan')):.3f} ({m.get('n', '?')} sequences)")
+    if "perplexity_after" in summary:
+        lines.append(f"perplexity: {summary['perplexity_before']:.2f} before, {summary['perplexity_after']:.2f} after "
+                     f"training (test set: {summary.get('perplexity_test', float('nan')):.2f})")
+    newest = list_checkpoints(run_dir / CHECKPOINTS)
+    lines.append(f"run folder: {run_dir}" + (f" ({summary['steps']} steps)" if "steps" in summary else ""))
+    lines.append(f"newest checkpoint: {newest[0][1].name if newest else 'none'}; exported model: "
+                 f"{run_dir / 'final' if (run_dir / 'final').is_dir() else 'none'}")
+    return lines
 
 
 def _cloud_state(folder: Path, manifest, kind: str) -> tuple[str, int]:

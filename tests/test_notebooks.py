@@ -97,7 +97,18 @@ def run_to_the_end(notebook, workdir, run_name) -> tuple[Path, dict]:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run_dir = workdir / "drive" / run_name
     assert verify_folder(run_dir / "final") is None
-    return run_dir, json.loads((run_dir / "metrics.json").read_text())
+    summary = json.loads((run_dir / "metrics.json").read_text())
+    # The terminal ends with the result: the headline of metrics.json, the run folder, the newest checkpoint.
+    newest = max(int(p.name.split("-")[1]) for p in (run_dir / "checkpoints").glob("checkpoint-*"))
+    tail = proc.stdout[proc.stdout.index("done in "):]
+    assert f"run folder: {run_dir} ({summary['steps']} steps)" in tail, tail
+    assert f"newest checkpoint: checkpoint-{newest}; exported model: {run_dir / 'final'}" in tail
+    if "perplexity_after" in summary:
+        assert f"{summary['perplexity_after']:.2f} after training" in tail
+    else:
+        test = summary["metrics"]["test"]
+        assert f"test: accuracy {test['accuracy']:.3f}, macro-F1 {test['macro_f1']:.3f}, MCC {test['mcc']:.3f}" in tail
+    return run_dir, summary
 
 
 @pytest.mark.slow
