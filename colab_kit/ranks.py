@@ -19,7 +19,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Ranks", "detect", "group", "barrier", "from_writer", "broadcast_object", "all_agree",
+__all__ = ["Ranks", "detect", "group", "barrier", "from_writer", "broadcast_object", "all_agree", "sum_over_ranks",
            "agree_micro_batch", "gather_rank_files", "rank_files_missing", "reduce_gradients", "unwrap_ddp",
            "agree_resume"]
 
@@ -124,6 +124,18 @@ def broadcast_object(obj):
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def sum_over_ranks(values: list[float]) -> list[float]:
+    """Element-wise sums of `values` over every rank (float64); `values` itself with one process."""
+    dist = group()
+    if dist is None:
+        return list(values)
+    import torch
+
+    summed = torch.tensor(values, dtype=torch.float64, device=_device(dist))
+    dist.all_reduce(summed)
+    return summed.tolist()
 
 
 def all_agree(ok: bool) -> list[int]:

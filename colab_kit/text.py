@@ -8,9 +8,10 @@ result stays in `datasets`' memory-mapped Arrow files rather than in RAM.
 
 from __future__ import annotations
 
+import math
 import random
 
-__all__ = ["generate_corpus", "train_bpe_tokenizer", "tokenize_and_group"]
+__all__ = ["generate_corpus", "train_bpe_tokenizer", "tokenize_and_group", "perplexity"]
 
 _SUBJECTS = ["the river", "a small village", "the old king", "the museum", "a young engineer", "the storm",
              "the city council", "the orchestra", "a famous painter", "the research team", "the harbour",
@@ -76,3 +77,38 @@ def tokenize_and_group(dataset, tokenizer, block_size: int, text_column: str = "
     # Grouping changes the number of rows, so the tokenized columns are replaced, not kept.
     return tokenized.map(group, batched=True, batch_size=1000, num_proc=num_proc, remove_columns=tokenized_columns,
                          desc=f"grouping into blocks of {block_size}")
+
+
+def perplexity(trainer, dataset=None, rows_per_forward: int = 8) -> float:
+    """exp(mean cross-entropy over every predicted token) of `trainer.model` on `dataset` (default:
+    the trainer's eval_dataset), computed here rather than read from `trainer.evaluate()`.
+
+    The Trainer's eval_loss is not that number on every version: transformers 4.57 divides the
+    summed token losses by the count of *unshifted* labels (one token per block too many), which
+    under-reports a causal LM's perplexity (2.6 % with DistilGPT2 on wikitext-2 blocks of 128).
+    Here each block's labels are shifted as the model's loss shifts them, the losses are summed in
+    float32, and the sum is divided by the number of tokens predicted, across every process.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    from . import ranks
+
+    model = trainer.model
+    was_training = model.training
+    model.eval()
+    total = torch.zeros(2, dtype=torch.float64)  # summed loss, tokens predicted
+    with torch.no_grad(), trainer.compute_loss_context_manager():
+        for batch in trainer.get_eval_dataloader(dataset):
+            batch = trainer._prepare_inputs(batch)
+            labels = batch.pop("labels")
+            for start in range(0, labels.shape[0], rows_per_forward):  # bounded logits memory (vocab-wide)
+                rows = slice(start, start + rows_per_forward)
+                logits = model(**{k: v[rows] for k, v in batch.items()}).logits[:, :-1].float()
+                target = labels[rows, 1:]
+                loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100,
+                                       reduction="sum")
+                total += torch.tensor([loss.item(), int(target.ne(-100).sum())], dtype=torch.float64)
+    loss_sum, tokens = ranks.sum_over_ranks(total.tolist())  # every process evaluated its shard
+    model.train(was_training)
+    return math.exp(loss_sum / max(tokens, 1.0))

@@ -32,6 +32,7 @@ def test_without_a_process_group_every_helper_is_the_single_process_answer(tmp_p
     ranks.barrier()
     assert ranks.from_writer(True) is True and ranks.broadcast_object({"step": 3}) == {"step": 3}
     assert ranks.all_agree(True) == [] and ranks.all_agree(False) == [0]
+    assert ranks.sum_over_ranks([1.5, 2.0]) == [1.5, 2.0]
     assert ranks.agree_micro_batch(8, False) == (8, []) and ranks.agree_micro_batch(4, True) == (4, [0])
     assert ranks.gather_rank_files(tmp_path, ["rng_state_0.pth"]) == 0
     model = torch.nn.Linear(2, 2)
