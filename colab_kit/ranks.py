@@ -258,9 +258,9 @@ def agree_resume(run) -> None:
 
     if group() is None:
         if run.ranks.distributed:
-            raise CheckpointError(f"WORLD_SIZE={run.ranks.world_size} but torch.distributed is not initialised, so the "
-                              f"ranks cannot agree on the checkpoint to resume from: create the Trainer (its "
-                              f"TrainingArguments start torch.distributed) before calling run.train")
+            raise CheckpointError(f"WORLD_SIZE={run.ranks.world_size} but torch.distributed is not initialised, so "
+                                  f"the ranks cannot agree on the checkpoint to resume from: create the Trainer (its "
+                                  f"TrainingArguments start torch.distributed) before calling run.train")
         return
     mine = run.resume_manifest.step if run.resume_manifest is not None else None
     chosen = broadcast_object({"step": mine, "best": run.mirror.best_step if mine is not None else None})
@@ -284,8 +284,8 @@ def agree_resume(run) -> None:
                     try:
                         find_latest([("drive", run.drive_dir / CHECKPOINTS)], run.local_dir,
                                     on_skip=lambda path, why: None, step=wanted)
-                    except OSError as exc:
-                        problem = f"fetching checkpoint-{wanted} failed: {exc}"
+                    except Exception as exc:  # noqa: BLE001 - reported to every rank below, never left hanging
+                        problem = f"fetching checkpoint-{wanted} failed: {type(exc).__name__}: {exc}"
         barrier()  # the node's other ranks wait for its fetch
         path, manifest = local_copy(step)
         if path is None:
@@ -298,6 +298,6 @@ def agree_resume(run) -> None:
     failed = all_agree(problem is None)
     if failed:
         here = f" (rank {run.ranks.rank}: {problem})" if problem else ""
-        raise CheckpointError(f"rank(s) {failed} cannot read checkpoint-{step}, which rank 0 resumes from{here}. Every "
-                          f"rank needs it in its local folder: give every rank of a node the same local_dir (the "
-                          f"default), and let every node read the persistent folder {run.drive_dir}")
+        raise CheckpointError(f"rank(s) {failed} cannot read checkpoint-{step}, which rank 0 resumes from{here}. "
+                              f"Every rank needs it in its local folder: give every rank of a node the same "
+                              f"local_dir (the default), and let every node read the persistent folder {run.drive_dir}")

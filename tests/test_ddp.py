@@ -229,13 +229,13 @@ def test_two_nodes_with_their_own_local_disks(tmp_path, reference):
     state reaches rank 0's checkpoints, and on resume node 1 fetches the checkpoint itself."""
     drive = tmp_path / "drive"
 
-    def launch_nodes(kill_after: int | None = None) -> list[str]:
+    def launch_nodes(kill_after: int | None = None, extra=()) -> list[str]:
         port, procs = _free_port(), []
         for node in (0, 1):
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node),
                    "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", str(port), str(JOB),
                    "--drive", str(drive), "--scratch", str(tmp_path / f"local{node}"),
-                   "--out", str(tmp_path / f"final{node}.safetensors"), "--step-sleep", "0.15"]
+                   "--out", str(tmp_path / f"final{node}.safetensors"), "--step-sleep", "0.15", *extra]
             env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
             procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                                           cwd=tmp_path, start_new_session=True))
@@ -268,6 +268,12 @@ def test_two_nodes_with_their_own_local_disks(tmp_path, reference):
     assert said == {0: ("None", durable), 1: ("None", durable)}, texts[1][-3000:]
     assert (tmp_path / "local1" / f"checkpoint-{durable}" / "MANIFEST.json").is_file()  # node 1 fetched its copy
     assert harness.max_abs_diff(reference, harness.load_weights(tmp_path / "final0.safetensors")) <= 1e-6
+
+    # Node 1 loses its local folder and cannot read the persistent one: every rank stops, none hangs.
+    shutil.rmtree(tmp_path / "local1")
+    texts = launch_nodes(extra=["--fetch-fails-on", "1"])
+    for text in texts:
+        assert "rank(s) [1] cannot read checkpoint-30, which rank 0 resumes from" in text, text[-3000:]
 
 
 def test_a_notebook_runs_as_a_script_under_torchrun(tmp_path):

@@ -9,6 +9,7 @@ Every rank runs the same code, as a notebook's cells would: `start_run`, a Train
   --oom R:N           rank R runs out of memory whenever a micro-batch holds more than N rows
   --step-sleep S      every rank sleeps S seconds per step (time for a test to kill the job)
   --slow-reads S      every file read from the persistent folder takes S seconds more
+  --fetch-fails-on R  rank R cannot fetch a checkpoint from the persistent folder
   --plain-ddp         the Trainer's own DDP training step (no micro-batching), for comparison
   --start-in-parent   (with --launcher notebook) start_run in the parent, run.train in the children
 Rank 0 writes the final weights to --out and prints "FINAL step=N"; every rank prints
@@ -50,6 +51,15 @@ def worker(args) -> None:
             if args.stall and args.stall[0] == rank and state.global_step == args.stall[1]:
                 time.sleep(args.stall[2])
 
+    if args.fetch_fails_on == rank:  # this rank's machine cannot read the persistent folder
+        import errno
+
+        from colab_kit import checkpoint
+
+        def unreadable(*a, **kw):
+            raise OSError(errno.EIO, "injected: the persistent folder cannot be read here")
+
+        checkpoint.fetch_checkpoint = unreadable
     run = ck.start_run(args.name, drive=args.drive, local_dir=args.scratch, save_every=args.save_every,
                        keep=args.keep, heartbeat_s=1.0)
     # --plain-ddp: the Trainer's own step, without its loss x world-size scaling for token-averaged losses
@@ -103,6 +113,7 @@ def main() -> None:
     parser.add_argument("--stall", type=_triple, default=None)
     parser.add_argument("--oom", type=_pair, default=None)
     parser.add_argument("--slow-reads", type=float, default=0.0)
+    parser.add_argument("--fetch-fails-on", type=int, default=None, help="this rank cannot fetch from the persistent folder")
     parser.add_argument("--plain-ddp", action="store_true",
                         help="run.train(oom_recovery=False): the Trainer's own DDP step, for comparison")
     parser.add_argument("--start-in-parent", action="store_true",
