@@ -17,23 +17,15 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 from pathlib import Path
 from typing import Callable, Iterable
 
-from .checkpoint import find_latest
+from .checkpoint import find_latest, step_of
 
 __all__ = ["TRAINER_STATE", "step_of", "recorded_best", "fetch_best", "restore_best", "early_stopped"]
 
 TRAINER_STATE = "trainer_state.json"
-_STEP = re.compile(r"checkpoint-(\d+)$")
 log = logging.getLogger(__name__)
-
-
-def step_of(path: str | os.PathLike | None) -> int | None:
-    """The step in a `checkpoint-<step>` path, or None."""
-    match = _STEP.search(str(path).rstrip("/\\")) if path else None
-    return int(match.group(1)) if match else None
 
 
 def _trainer_state(checkpoint: Path) -> dict:
@@ -48,15 +40,12 @@ def recorded_best(checkpoint: Path) -> int | None:
     return step_of(_trainer_state(checkpoint).get("best_model_checkpoint"))
 
 
-def fetch_best(checkpoint: Path, step: int, places: Iterable[tuple[str, Path]], local_root: Path,
+def fetch_best(best: int, resumed: Path, step: int, places: Iterable[tuple[str, Path]], local_root: Path,
                on_skip: Callable[[Path, str], None]) -> Path | None:
-    """The local copy of the best checkpoint named in the resumed `checkpoint` (at `step`),
-    fetched from `places` and verified; None when there is no best one, or it cannot be found."""
-    best = recorded_best(checkpoint)
-    if best is None:
-        return None
+    """The local copy of checkpoint `best` (the one `recorded_best` names in the checkpoint `resumed`
+    at `step`), fetched from `places` and verified; None when it cannot be found."""
     if best == step:
-        return Path(checkpoint)
+        return Path(resumed)
     found = find_latest(places, local_root, on_skip, step=best)
     return found.path if found is not None else None
 

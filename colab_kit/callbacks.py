@@ -128,11 +128,10 @@ class DriveSyncCallback(TrainerCallback):
         step = state.global_step
         folder = checkpoint_dir(Path(args.output_dir), step)
         world = max(1, int(getattr(args, "world_size", 1) or 1))  # the Trainer's: one file per rank it trains on
-        rank_files = [] if getattr(args, "save_only_model", False) or world < 2 else \
-            [f"rng_state_{getattr(args, 'process_index', 0)}.pth"]
+        per_rank = world > 1 and not getattr(args, "save_only_model", False)  # rng_state_<r>.pth files expected
         # Every rank has written its files when it gets here; this also waits for all of them (a
         # barrier before the snapshot) and brings each rank's RNG state to rank 0 across nodes.
-        ranks.gather_rank_files(folder, rank_files)
+        ranks.gather_rank_files(folder, [f"rng_state_{getattr(args, 'process_index', 0)}.pth"] if per_rank else [])
         if not (state.is_world_process_zero and self.run.ranks.writer):
             return
         # Set before the upload is queued: a queued best checkpoint is never superseded.
@@ -140,7 +139,7 @@ class DriveSyncCallback(TrainerCallback):
         if not folder.is_dir():
             self.run.notices.add(f"the Trainer reported a save at step {step} but {folder} does not exist")
             return
-        missing = ranks.rank_files_missing(folder, world) if rank_files else []
+        missing = ranks.rank_files_missing(folder, world) if per_rank else []
         if missing:  # a resume from it could not be exact: not published
             self.run.notices.add(f"checkpoint-{step} lacks {', '.join(missing)} (the RNG state of those ranks), so it "
                                  f"is not uploaded; the next checkpoint will be")

@@ -25,7 +25,7 @@ from . import storage
 from .manifest import MANIFEST, Manifest, read_manifest, verify_folder, write_manifest
 
 __all__ = ["CHECKPOINTS", "ARCHIVE", "FINAL", "KIT_STATE", "Found", "checkpoint_dir", "list_checkpoints",
-           "find_latest", "fetch_checkpoint", "publish_folder", "model_signature"]
+           "find_latest", "fetch_checkpoint", "publish_folder", "model_signature", "step_of"]
 
 CHECKPOINTS = "checkpoints"
 ARCHIVE = "archive"  # checkpoints moved aside by start_run(resume=False)
@@ -37,6 +37,12 @@ log = logging.getLogger(__name__)
 
 def checkpoint_dir(root: str | Path, step: int) -> Path:
     return Path(root) / f"checkpoint-{int(step)}"
+
+
+def step_of(path: str | os.PathLike | None) -> int | None:
+    """The step of a `checkpoint-<step>` folder path, or None for any other path."""
+    match = _NAME.match(Path(path).name) if path else None
+    return int(match.group(1)) if match else None
 
 
 def list_checkpoints(root: str | Path) -> list[tuple[int, Path]]:

@@ -104,7 +104,7 @@ def _fetch_best(run: Run, found: Found, places, skipped) -> None:
     run.mirror.best_step = best
     if best is None:
         return
-    run.resume_best = fetch_best(found.path, found.step, places, run.local_dir, skipped)
+    run.resume_best = fetch_best(best, found.path, found.step, places, run.local_dir, skipped)
     if run.resume_best is None:
         run.notices.add(f"the Trainer's best checkpoint so far, checkpoint-{best}, is not in {run.drive_dir} any "
                         f"more, so load_best_model_at_end cannot return to it: the best is tracked again "

@@ -30,16 +30,19 @@ def test_fetch_best_finds_the_named_step_and_verifies_it(tmp_path):
     local.mkdir()
     for step in (10, 20, 30):
         make_checkpoint(drive, step)
+    def fetch(resumed, step, places):  # as start_run does: the best step read from the resumed checkpoint
+        return fetch_best(recorded_best(resumed), resumed, step, places, local, skipped.append)
+
     resumed = write_state(local / "checkpoint-30", best_model_checkpoint="/old/checkpoint-10")
     skipped = []
-    path = fetch_best(resumed, 30, [("drive", drive), ("local", local)], local, lambda p, r: skipped.append(r))
+    path = fetch(resumed, 30, [("drive", drive), ("local", local)])
     assert path == local / "checkpoint-10" and (path / "MANIFEST.json").is_file() and not skipped
     # the best one is the resumed one: nothing to fetch
-    assert fetch_best(write_state(local / "checkpoint-20", best_model_checkpoint="/old/checkpoint-20"), 20,
-                      [("drive", drive)], local, skipped.append) == local / "checkpoint-20"
+    assert fetch(write_state(local / "checkpoint-20", best_model_checkpoint="/old/checkpoint-20"), 20,
+                 [("drive", drive)]) == local / "checkpoint-20"
     # gone from Drive (pruned by an older kit): None, and the caller says so
-    assert fetch_best(write_state(local / "checkpoint-50", best_model_checkpoint="/old/checkpoint-5"), 50,
-                      [("drive", drive)], local, skipped.append) is None
+    assert fetch(write_state(local / "checkpoint-50", best_model_checkpoint="/old/checkpoint-5"), 50,
+                 [("drive", drive)]) is None
 
 
 def test_restore_best_points_the_state_at_the_local_copy(tmp_path):

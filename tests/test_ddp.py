@@ -61,7 +61,7 @@ class Launch:
         try:
             text, _ = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            kill_tree(proc.pid)
+            harness.kill_tree(proc)
             text, _ = proc.communicate()
             pytest.fail(f"the launch hung (no result in {timeout} s):\n{text[-4000:]}")
         return proc.returncode, text
@@ -73,7 +73,7 @@ class Launch:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and proc.poll() is None:
             if step in harness.synced_steps(self.events()):
-                kill_tree(proc.pid)
+                harness.kill_tree(proc)
                 break
             time.sleep(0.02)
         text, _ = proc.communicate(timeout=60)
@@ -90,24 +90,6 @@ class Launch:
 
     def weights(self, out="final.safetensors") -> dict:
         return harness.load_weights(self.root / out)
-
-
-def kill_tree(pid: int) -> None:
-    """SIGKILL a launcher and all its descendants: torchrun starts each rank in a session of its own,
-    so killing the launcher's process group would leave the ranks running."""
-    import psutil
-
-    try:
-        root = psutil.Process(pid)
-        family = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return
-    for proc in family:
-        try:
-            proc.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(family[1:], timeout=10)  # the launcher is the caller's child: its Popen reaps it
 
 
 def ranks_said(text: str) -> dict[int, tuple[str, int]]:
@@ -243,7 +225,7 @@ def test_two_nodes_with_their_own_local_disks(tmp_path, reference):
         while kill_after is not None and time.monotonic() < deadline and procs[0].poll() is None:
             if kill_after in harness.synced_steps(read_events(drive / "ddp" / "events.jsonl")):
                 for proc in procs:
-                    kill_tree(proc.pid)
+                    harness.kill_tree(proc)
                 break
             time.sleep(0.02)
         texts = []
@@ -252,7 +234,7 @@ def test_two_nodes_with_their_own_local_disks(tmp_path, reference):
                 texts.append(proc.communicate(timeout=240)[0])
             except subprocess.TimeoutExpired:
                 for p in procs:
-                    kill_tree(p.pid)
+                    harness.kill_tree(p)
                 said = [p.communicate()[0][-3000:] for p in procs]
                 pytest.fail(f"a node hung; node 0 said:\n{said[0]}\nnode 1 said:\n{said[1]}")
         return texts

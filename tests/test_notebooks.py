@@ -2,13 +2,15 @@
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+import harness  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
@@ -120,27 +122,6 @@ def test_rna_quick_preset_runs_headless_and_learns(tmp_path):
     assert [e["event"] for e in events(run_dir)][0] == "start" and any(e["event"] == "finish" for e in events(run_dir))
 
 
-def kill_tree(proc):
-    import psutil
-
-    parent = psutil.Process(proc.pid)
-    children = parent.children(recursive=True)
-    for child in children:  # the kernel first: the runtime dies
-        child.send_signal(signal.SIGKILL)
-    parent.send_signal(signal.SIGKILL)
-    proc.wait(timeout=60)
-    # SIGKILL lands asynchronously; orphans may stay zombies where nothing reaps them.
-    deadline = time.monotonic() + 60
-    for child in children:
-        while time.monotonic() < deadline:
-            try:
-                if child.status() == psutil.STATUS_ZOMBIE:
-                    break
-            except psutil.NoSuchProcess:
-                break
-            time.sleep(0.05)
-
-
 def kill_after_first_durable_checkpoint_and_rerun(notebook, workdir, run_dir, *params) -> tuple[int, list]:
     """Run the notebook, kill its kernel once a checkpoint is durable, run it again; returns
     (the first durable step, the events of the second run)."""
@@ -152,7 +133,7 @@ def kill_after_first_durable_checkpoint_and_rerun(notebook, workdir, run_dir, *p
         durable = synced[0] if synced else None
         time.sleep(0.2)
     assert durable is not None, "no durable checkpoint before the notebook ended"
-    kill_tree(proc)
+    harness.kill_tree(proc)
     assert not (run_dir / "metrics.json").exists()
     again = run_notebook(notebook, workdir, *params)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]

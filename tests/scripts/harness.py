@@ -109,6 +109,34 @@ def kill_when(job: Job, ready: Callable[[list[dict]], bool], timeout: float = 12
     return events
 
 
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL `proc` and all its descendants, then wait until they are gone. A process-group kill is
+    not enough: torchrun starts each rank in a session of its own."""
+    import psutil
+
+    try:
+        parent = psutil.Process(proc.pid)
+        children = parent.children(recursive=True)
+    except psutil.NoSuchProcess:
+        return
+    for victim in (*children, parent):  # the workers first: the job dies, not just its launcher
+        try:
+            victim.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+    proc.wait(timeout=60)
+    # SIGKILL lands asynchronously; orphans may stay zombies where nothing reaps them.
+    deadline = time.monotonic() + 60
+    for child in children:
+        while time.monotonic() < deadline:
+            try:
+                if child.status() == psutil.STATUS_ZOMBIE:
+                    break
+            except psutil.NoSuchProcess:
+                break
+            time.sleep(0.05)
+
+
 def synced_steps(events: list[dict]) -> set[int]:
     """The checkpoints written to the persistent folder, from its journal."""
     return {e["step"] for e in events if e["event"] == "sync"}
