@@ -270,6 +270,7 @@ def test_a_notebook_runs_as_a_script_under_torchrun(tmp_path):
             source += f'\nPRESET = "quick"\nDRIVE_DIR = {str(tmp_path / "drive")!r}\n'
         cells.append(source)
     script = tmp_path / "distilgpt2_finetune.py"
+    cells.append("import torch.distributed\ntorch.distributed.destroy_process_group()")  # the README's last line
     script.write_text("\n\n".join(cells) + "\n")
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",

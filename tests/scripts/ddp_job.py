@@ -86,6 +86,12 @@ def worker(args) -> None:
         save_model(trainer.model, args.out)
         print(f"FINAL step={output.global_step}", flush=True)
     run.finish(timeout=60)
+    # As every torch.distributed script should: without it, gloo's threads are torn down at interpreter
+    # exit and a rank can die of "terminate called without an active exception" (exit code -6).
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _triple(text: str) -> tuple[int, int, float]:
