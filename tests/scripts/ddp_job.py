@@ -86,11 +86,12 @@ def worker(args) -> None:
         save_model(trainer.model, args.out)
         print(f"FINAL step={output.global_step}", flush=True)
     run.finish(timeout=60)
-    # As every torch.distributed script should: without it, gloo's threads are torn down at interpreter
-    # exit and a rank can die of "terminate called without an active exception" (exit code -6).
+    # As every torch.distributed script should: the ranks leave together (no rank closes its connections
+    # while another still works) and destroy the process group before the interpreter exits.
     import torch.distributed as dist
 
     if dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
 
 
@@ -150,6 +151,13 @@ def main() -> None:
         notebook_launcher(worker, args=(args,), num_processes=2)
     else:
         worker(args)
+        # Skip the interpreter's teardown: the Trainer's DDP wrapper still holds the gloo process group,
+        # and freeing it while Python finalizes can abort a rank that has finished everything with
+        # "terminate called without an active exception" (exit code -6, seen now and then in CI;
+        # pytorch/pytorch PR 179291 describes the mechanism). Everything is written and fsynced.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":
