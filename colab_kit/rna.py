@@ -12,6 +12,7 @@ import collections
 import csv
 import hashlib
 import io
+import os
 import random
 import urllib.request
 from dataclasses import dataclass, field
@@ -23,11 +24,10 @@ from .errors import ColabKitError
 __all__ = ["RnaDataError", "Records", "CleaningReport", "read_sequences", "clean_records", "check_test_labels",
            "seen_in_training", "length_stats", "choose_max_length", "nucleotide_tokenizer",
            "generate_rna_families", "stratified_split", "classification_metrics", "NUCLEOTIDES", "to_dataset",
-           "predict", "scratch_bert_config", "length_label_association", "pretrain_masked_lm"]
+           "predict", "scratch_bert_config", "length_label_association", "pretrain_masked_lm", "download_path"]
 
 NUCLEOTIDES = "ACGUNRYKMSWBDHV"  # U for T; IUPAC ambiguity codes are kept
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-CACHE = Path.home() / ".cache" / "colab_kit" / "data"
 FASTA_SUFFIXES = {".fa", ".fasta", ".fna", ".ffn", ".frn", ".fas"}
 
 
@@ -55,6 +55,14 @@ class Records:
                        [self.names[i] for i in pick] if self.names else [])
 
 
+def download_path(url: str) -> Path:
+    """Where a download of `url` is kept: `$XDG_CACHE_HOME/colab_kit/data/` (`~/.cache` when unset, the
+    convention Hugging Face's caches follow too), under a name that keeps the file's own."""
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    name = url.rstrip("/").rsplit("/", 1)[-1] or "data"
+    return root / "colab_kit" / "data" / f"{hashlib.sha256(url.encode()).hexdigest()[:12]}-{name}"
+
+
 def _fetch(source: str) -> Path:
     """A local path for `source`: itself, or a cached download of a URL."""
     if "://" not in source:
@@ -63,10 +71,9 @@ def _fetch(source: str) -> Path:
             raise RnaDataError(f"{source}: no such file. Give a local path, a Drive path such as "
                                f"/content/drive/MyDrive/data/train.fasta, or an http(s) URL")
         return path
-    name = source.rstrip("/").rsplit("/", 1)[-1] or "data"
-    target = CACHE / f"{hashlib.sha256(source.encode()).hexdigest()[:12]}-{name}"
+    target = download_path(source)
     if not target.exists():
-        CACHE.mkdir(parents=True, exist_ok=True)
+        target.parent.mkdir(parents=True, exist_ok=True)
         try:
             with urllib.request.urlopen(source, timeout=60) as response:
                 data = response.read()

@@ -1,8 +1,6 @@
 """The notebooks: committed clean, with their parameters cell and Colab metadata; run headless."""
 
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -10,12 +8,13 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
-import harness  # noqa: E402
+from notebook_runs import events, kill_after_first_durable_checkpoint_and_rerun, run_notebook  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 RNA = ROOT / "notebooks" / "rna_bert_classification.ipynb"
-COMMON = {"RUN_NAME", "PRESET", "MAX_STEPS", "DRIVE_DIR", "BATCH_SIZE", "EPOCHS", "LEARNING_RATE"}
+COMMON = {"RUN_NAME", "PRESET", "MAX_STEPS", "DRIVE_DIR", "BATCH_SIZE", "EPOCHS", "LEARNING_RATE", "SAVE_EVERY",
+          "ALLOW_CPU"}
 REQUIRED = {
     "rna_bert_classification.ipynb": COMMON | {"MODEL", "TRAIN_DATA", "TEST_DATA", "MAX_LENGTH"},
     "distilgpt2_finetune.ipynb": COMMON | {"MODEL_NAME", "BLOCK_SIZE", "FREEZE_LAYERS"},
@@ -58,18 +57,6 @@ def test_rna_notebook_never_applies_an_english_wordpiece_tokenizer():
     assert "rna.nucleotide_tokenizer" in code and "RnaTokenizer" in code
 
 
-def run_notebook(path, workdir, *params, popen=False):
-    cmd = [sys.executable, "-m", "colab_kit", "run", str(path), "-o", str(workdir / "out.ipynb"),
-           "-p", "PRESET", "quick", "-p", "DRIVE_DIR", str(workdir / "drive")]
-    for name, value in params:
-        cmd += ["-p", name, value]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env.pop("COLAB_KIT_DRIVE", None)
-    if popen:
-        return subprocess.Popen(cmd, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    return subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=900)
-
-
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_the_full_preset_without_a_gpu_stops_at_once_unless_allowed(path, tmp_path):
     started = time.monotonic()
@@ -83,12 +70,6 @@ def test_the_full_preset_without_a_gpu_stops_at_once_unless_allowed(path, tmp_pa
     # ALLOW_CPU=True goes past the check (and here stops later, at the model download: no network)
     allowed = run_notebook(path, tmp_path, ("PRESET", "full"), ("ALLOW_CPU", "True"), ("MAX_STEPS", "1"))
     assert "needs a GPU" not in allowed.stdout + allowed.stderr and (tmp_path / "drive").exists()
-
-
-def events(run_dir):
-    from colab_kit.journal import read_events
-
-    return read_events(run_dir / "events.jsonl")
 
 
 def run_to_the_end(notebook, workdir, run_name) -> tuple[Path, dict]:
@@ -120,27 +101,6 @@ def test_rna_quick_preset_runs_headless_and_learns(tmp_path):
     assert {"macro_f1", "mcc", "confusion", "per_class"} <= set(summary["metrics"]["test (de-duplicated)"])
     assert {"model.safetensors", "config.json", "tokenizer.json", "metrics.json"} <= {p.name for p in (run_dir / "final").iterdir()}
     assert [e["event"] for e in events(run_dir)][0] == "start" and any(e["event"] == "finish" for e in events(run_dir))
-
-
-def kill_after_first_durable_checkpoint_and_rerun(notebook, workdir, run_dir, *params) -> tuple[int, list]:
-    """Run the notebook, kill its kernel once a checkpoint is durable, run it again; returns
-    (the first durable step, the events of the second run)."""
-    proc = run_notebook(notebook, workdir, *params, popen=True)
-    deadline = time.monotonic() + 600
-    durable = None
-    while time.monotonic() < deadline and proc.poll() is None and durable is None:
-        synced = [e["step"] for e in events(run_dir) if e["event"] == "sync"]
-        durable = synced[0] if synced else None
-        time.sleep(0.2)
-    assert durable is not None, "no durable checkpoint before the notebook ended"
-    harness.kill_tree(proc)
-    assert not (run_dir / "metrics.json").exists()
-    again = run_notebook(notebook, workdir, *params)
-    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    log = events(run_dir)
-    starts = [i for i, e in enumerate(log) if e["event"] == "start"]
-    assert len(starts) == 2
-    return durable, log[starts[1]:]
 
 
 @pytest.mark.slow

@@ -56,6 +56,19 @@ def test_missing_file_and_bad_url_say_what_to_give(tmp_path):
         read_sequences("http://127.0.0.1:9/x.fasta")
 
 
+def test_a_url_is_read_from_the_download_cache_under_xdg_cache_home(tmp_path, monkeypatch):
+    from colab_kit.rna import download_path
+
+    url = "http://127.0.0.1:9/data/train.fasta"  # nothing listens there: only the cached copy can be read
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    cached = download_path(url)
+    assert cached.parent == tmp_path / "cache" / "colab_kit" / "data" and cached.name.endswith("-train.fasta")
+    assert download_path("http://127.0.0.1:9/other/train.fasta") != cached  # same name, other URL
+    cached.parent.mkdir(parents=True)
+    cached.write_text(">r1 tRNA\nACGU\n")
+    assert read_sequences(url).labels == ["tRNA"]
+
+
 def test_a_test_label_never_seen_in_training_is_refused(tmp_path):
     train = read_sequences(write(tmp_path, "train.fasta", ">a x\nACGU\n>b y\nGGG\n"))
     test = read_sequences(write(tmp_path, "test.fasta", ">c x\nACGU\n>d z\nCCC\n"))
