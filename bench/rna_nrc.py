@@ -1,6 +1,7 @@
 """nRC ncRNA family classification on the real data: a from-scratch nucleotide model vs k-mer baselines.
 
-    python bench/rna_nrc.py [--epochs 44] [--mlm-epochs 6] [--size tiny] [--layers 0] [--micro-batch 8] [--data DIR]
+    python bench/rna_nrc.py [--seeds 3] [--epochs 44] [--mlm-epochs 6] [--size tiny] [--layers 0] [--micro-batch 8]
+                            [--data DIR]
 
 Reads the nRC benchmark (6,320 training and 2,600 test sequences, 13 families) from
 `../shared/data/nrc/` (skips cleanly when it is absent), splits 10 % validation off the training
@@ -11,7 +12,10 @@ sequences that also occur in training, for, in the same run:
 - the same with TF-IDF weighting (a stronger variant),
 - the notebook's from-scratch model (`rna.scratch_bert_config`, single-nucleotide tokens, "tiny":
   2 layers x 128) trained through `ck.start_run` + `run.train`: first as a masked LM on the
-  training split's sequences (`rna.pretrain_masked_lm`), then fine-tuned as a classifier.
+  training split's sequences (`rna.pretrain_masked_lm`), then fine-tuned as a classifier; once per
+  seed (0 .. N-1: initialisation, masking, dropout and data order; the split and the baselines stay
+  the same), each run listed, then the mean +- standard deviation of each column, and a summary that
+  compares the mean with each baseline.
 
 Sized for <= 30 minutes on a 2-core CPU by default. Batches are not grouped by length: in nRC
 length nearly gives the family away, and length-sorted batches made training collapse. Each
@@ -33,6 +37,8 @@ import numpy as np
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "nrc"
 TRAIN, TEST = "dataset_Rfam_6320_13classes.fasta", "dataset_Rfam_validated_2600_13classes.fasta"
+COLUMNS = ("accuracy", "macro-F1", "MCC", "dedup accuracy", "dedup macro-F1")
+TARGETS = (0, 1, 3, 4)  # the columns the model must beat the baselines on: accuracy and macro-F1, full and dedup
 
 
 def kmer_baseline(train, val, train_all, test, tfidf: bool) -> tuple[list[str], float]:
@@ -58,7 +64,7 @@ def kmer_baseline(train, val, train_all, test, tfidf: bool) -> tuple[list[str], 
     return list(pipeline(best).fit(train_all.sequences, train_all.labels).predict(test.sequences)), best
 
 
-def scratch_model(train, val, test, labels, args, workdir: Path):
+def scratch_model(train, val, test, labels, args, workdir: Path, seed: int):
     import torch
     from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding, Trainer, TrainingArguments
 
@@ -76,13 +82,14 @@ def scratch_model(train, val, test, labels, args, workdir: Path):
         mlm_run = ck.start_run("nrc-bench-mlm", drive=workdir / "drive", local_dir=workdir / "local-mlm",
                                save_every="10min", quiet=True, gauges=False)
         pretrained = rna.pretrain_masked_lm(mlm_run, config, tokenizer, train, args.max_length,
-                                            epochs=args.mlm_epochs, learning_rate=args.lr, micro_batch=args.micro_batch)
+                                            epochs=args.mlm_epochs, learning_rate=args.lr, micro_batch=args.micro_batch,
+                                            seed=seed)
         losses = json.loads((pretrained / "metrics.json").read_text())["masked_lm_loss"]
         print(f"masked-LM pre-training: {args.mlm_epochs} epochs, loss at every 5 % of its steps "
               f"{[round(x, 3) for x in losses]}", flush=True)
     run = ck.start_run("nrc-bench", drive=workdir / "drive", local_dir=workdir / "local", save_every="10min",
                        quiet=True, gauges=False)
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     if pretrained is None:
         model = AutoModelForSequenceClassification.from_config(config)
     else:  # the encoder from pre-training; the classification head starts fresh
@@ -91,7 +98,7 @@ def scratch_model(train, val, test, labels, args, workdir: Path):
     training = TrainingArguments(
         str(run.local_dir), num_train_epochs=args.epochs, per_device_train_batch_size=32, per_device_eval_batch_size=64,
         learning_rate=args.lr, warmup_steps=int(0.06 * steps), weight_decay=0.01, eval_strategy="epoch",
-        save_strategy="no", logging_steps=100, report_to=[], seed=0, disable_tqdm=True,
+        save_strategy="no", logging_steps=100, report_to=[], seed=seed, disable_tqdm=True,
         **ck.memory_args(run.runtime, group_by_length=False))
     trainer = Trainer(model=model, args=training, train_dataset=data["train"], eval_dataset=data["validation"],
                       data_collator=DataCollatorWithPadding(tokenizer, pad_to_multiple_of=8),
@@ -108,6 +115,7 @@ def scratch_model(train, val, test, labels, args, workdir: Path):
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
+    parser.add_argument("--seeds", type=int, default=3, help="runs of the model, with seeds 0 .. N-1")
     parser.add_argument("--epochs", type=int, default=44, help="fine-tuning epochs")
     parser.add_argument("--mlm-epochs", type=int, default=6, help="masked-LM pre-training epochs (0: none)")
     parser.add_argument("--size", choices=["tiny", "small"], default="tiny")
@@ -117,6 +125,8 @@ def main() -> int:
     parser.add_argument("--max-length", type=int, default=256)
     parser.add_argument("--lr", type=float, default=2e-3)
     args = parser.parse_args()
+    if args.seeds < 1:
+        parser.error("--seeds: give 1 or more")
     if not (args.data / TRAIN).exists() or not (args.data / TEST).exists():
         print(f"skipped: the nRC files are not in {args.data} (the benchmark needs {TRAIN} and {TEST})")
         return 0
@@ -142,34 +152,44 @@ def main() -> int:
         t0 = time.perf_counter()
         predicted, c = kmer_baseline(train, val, train_all, test, tfidf)
         score(name, predicted, time.perf_counter() - t0, f"C={c:g}, chosen on the validation split")
-    with tempfile.TemporaryDirectory() as tmp:
-        order, predicted, seconds, curve, model = scratch_model(train, val, test, labels, args, Path(tmp))
-    if order != test.labels:  # the de-duplication mask assumes the test set's order
-        raise RuntimeError("the Trainer returned the test rows in another order; cannot de-duplicate")
     recipe = f"MLM {args.mlm_epochs} + {args.epochs} ep." if args.mlm_epochs else f"{args.epochs} ep."
-    params = sum(p.numel() for p in model.parameters())
-    shape = f"{model.config.num_hidden_layers}x{model.config.hidden_size}"
-    score(f"from-scratch {shape} ({params / 1e6:.2f} M, {recipe})", predicted, seconds,
-          f"validation accuracy per epoch: {curve}")
+    for seed in range(args.seeds):
+        with tempfile.TemporaryDirectory() as tmp:
+            order, predicted, seconds, curve, model = scratch_model(train, val, test, labels, args, Path(tmp), seed)
+        if order != test.labels:  # the de-duplication mask assumes the test set's order
+            raise RuntimeError("the Trainer returned the test rows in another order; cannot de-duplicate")
+        params = sum(p.numel() for p in model.parameters())
+        shape = f"{model.config.num_hidden_layers}x{model.config.hidden_size}"
+        score(f"from-scratch {shape} ({params / 1e6:.2f} M, {recipe}) seed {seed}", predicted, seconds,
+              f"validation accuracy per epoch: {curve}")
+        print(f"seed {seed} done: test accuracy {rows[-1][1]['accuracy']:.3f} in {seconds:.0f} s", flush=True)
 
-    print(f"nRC: {len(train)} training, {len(val)} validation, {len(test)} test sequences "
+    print(f"\nnRC: {len(train)} training, {len(val)} validation, {len(test)} test sequences "
           f"({sum(seen)} of them also in training; {int(fresh.sum())} de-duplicated); max_length {args.max_length}\n")
-    print(f"{'method':<48}{'acc':>7}{'macro-F1':>10}{'MCC':>7}{'dedup acc':>11}{'dedup F1':>10}{'time s':>8}")
+    print(f"{'method':<58}{'acc':>13}{'macro-F1':>13}{'MCC':>13}{'dedup acc':>13}{'dedup F1':>13}{'time s':>8}")
     for name, full, dedup, seconds, _ in rows:
-        print(f"{name:<48}{full['accuracy']:>7.3f}{full['macro_f1']:>10.3f}{full['mcc']:>7.3f}"
-              f"{dedup['accuracy']:>11.3f}{dedup['macro_f1']:>10.3f}{seconds:>8.0f}")
+        print(f"{name:<58}" + "".join(f"{v:>13.3f}" for v in columns(full, dedup)) + f"{seconds:>8.0f}")
+    runs = rows[2:]
+    table = np.array([columns(full, dedup) for _, full, dedup, *_ in runs])
+    mean, sd = table.mean(0), (table.std(0, ddof=1) if len(runs) > 1 else np.zeros(table.shape[1]))
+    print(f"{f'from-scratch, mean +- sd over {len(runs)} seeds':<58}"
+          + "".join(f"{f'{m:.3f}+-{d:.3f}':>13}" for m, d in zip(mean, sd))
+          + f"{np.mean([r[3] for r in runs]):>8.0f}")
     for name, *_, note in rows:
         if note:
             print(f"\n{name}: {note}")
-    ours = rows[2]
-    for name, full, dedup, *_ in rows[:2]:  # accuracy, macro-F1 and their de-duplicated versions
-        pairs = [(ours[1]["accuracy"], full["accuracy"]), (ours[1]["macro_f1"], full["macro_f1"]),
-                 (ours[2]["accuracy"], dedup["accuracy"]), (ours[2]["macro_f1"], dedup["macro_f1"])]
-        wins = sum(m > b for m, b in pairs)
-        print(f"\nfrom-scratch model vs {name}: higher on {wins} of 4 (accuracy, macro-F1, dedup accuracy, dedup "
-              f"macro-F1); accuracy {ours[1]['accuracy']:.3f} vs {full['accuracy']:.3f}")
+    for name, full, dedup, *_ in rows[:2]:
+        base = columns(full, dedup)
+        above = [COLUMNS[i] for i in TARGETS if mean[i] > base[i]]
+        print(f"\nmean of {len(runs)} seeds vs {name}: above on {len(above)} of {len(TARGETS)} "
+              f"({', '.join(above) or 'none'}); " + ", ".join(f"{COLUMNS[i]} {mean[i]:.3f} vs {base[i]:.3f}"
+                                                              for i in TARGETS))
     print(f"wall time {time.perf_counter() - started:.0f} s")
     return 0
+
+
+def columns(full: dict, dedup: dict) -> list[float]:
+    return [full["accuracy"], full["macro_f1"], full["mcc"], dedup["accuracy"], dedup["macro_f1"]]
 
 
 if __name__ == "__main__":
