@@ -60,6 +60,19 @@ def loads_cleanly(auto_class, folder: Path):
     return model
 
 
+def rehearse(notebook: Path, workdir: Path, run_name: str, env: dict, *params) -> Path:
+    """Run the notebook's full preset on the CPU (saves every 5 steps), kill it once a checkpoint is in the
+    cloud, run it again on a wiped local folder (a new VM): it must resume there and finish. Returns the
+    run folder."""
+    run_dir = workdir / "drive" / run_name
+    durable, second = kill_after_first_durable_checkpoint_and_rerun(
+        notebook, workdir, run_dir, ("PRESET", "full"), ("ALLOW_CPU", "True"), ("SAVE_EVERY", "5"), *params,
+        env=env, new_vm=True)
+    resumed = [e for e in second if e["event"] == "resume"]
+    assert resumed and resumed[0]["step"] >= durable
+    return run_dir
+
+
 @pytest.fixture
 def offline(tmp_path):
     cache = tmp_path / "cache"
@@ -82,13 +95,7 @@ def test_rna_full_preset_offline_rehearsal(tmp_path, offline):
     assert presets["model"] == "multimolecule/rnafm"
     offline_hub.put_downloads(cache, {url: NRC_DIR / url.rsplit("/", 1)[1] for url in (presets["train"], presets["test"])})
 
-    run_dir = tmp_path / "drive" / "rna-bert"
-    params = [("PRESET", "full"), ("ALLOW_CPU", "True"), ("MAX_STEPS", "30"), ("SAVE_EVERY", "5"),
-              ("GRADIENT_CHECKPOINTING", "True")]
-    durable, second = kill_after_first_durable_checkpoint_and_rerun(RNA, tmp_path, run_dir, *params, env=env,
-                                                                       new_vm=True)
-    resumed = [e for e in second if e["event"] == "resume"]
-    assert resumed and resumed[0]["step"] >= durable
+    run_dir = rehearse(RNA, tmp_path, "rna-bert", env, ("MAX_STEPS", "30"), ("GRADIENT_CHECKPOINTING", "True"))
 
     summary = json.loads((run_dir / "metrics.json").read_text())
     assert summary["preset"] == "full" and summary["model"] == "multimolecule/rnafm" and summary["steps"] == 30
@@ -122,13 +129,7 @@ def test_gpt2_full_preset_offline_rehearsal(tmp_path, offline):
         offline_hub.put_in_hub_cache(cache, model_name, Path(folder))
     offline_hub.put_wikitext_in_datasets_cache(cache, splits)
 
-    run_dir = tmp_path / "drive" / "distilgpt2-wikitext"
-    params = [("PRESET", "full"), ("ALLOW_CPU", "True"), ("MAX_STEPS", "60"), ("SAVE_EVERY", "5"),
-              ("FREEZE_LAYERS", "1")]
-    durable, second = kill_after_first_durable_checkpoint_and_rerun(GPT2, tmp_path, run_dir, *params, env=env,
-                                                                       new_vm=True)
-    resumed = [e for e in second if e["event"] == "resume"]
-    assert resumed and resumed[0]["step"] >= durable
+    run_dir = rehearse(GPT2, tmp_path, "distilgpt2-wikitext", env, ("MAX_STEPS", "60"), ("FREEZE_LAYERS", "1"))
 
     metrics = json.loads((run_dir / "metrics.json").read_text())
     assert metrics["preset"] == "full" and metrics["model"] == model_name and metrics["steps"] == 60
