@@ -17,7 +17,7 @@ sequences that also occur in training, for, in the same run:
   the same), each run listed, then the mean +- standard deviation of each column, and a summary that
   compares the mean with each baseline.
 
-Sized for <= 30 minutes on a 2-core CPU by default. Batches are not grouped by length: in nRC
+Each seed is sized for <= 30 minutes on a 2-core CPU (3 seeds: about 90). Batches are not grouped by length: in nRC
 length nearly gives the family away, and length-sorted batches made training collapse. Each
 32-row batch is instead run as micro-batches of 8 (`run.train(micro_batch=8)`), ordered by length
 within the batch: the same gradient on about two thirds of the padded tokens.

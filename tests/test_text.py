@@ -1,6 +1,6 @@
 """text.perplexity: the true perplexity of a causal LM, on every supported transformers version.
 
-The version-matrix leg of .ci/run (bench/version_matrix.sh) runs this file on the lowest supported
+The version-matrix leg of .ci/run (.ci/version_matrix) runs this file on the lowest supported
 transformers too, where the Trainer's own eval_loss under-reports it.
 """
 
