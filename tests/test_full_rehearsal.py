@@ -27,7 +27,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 import offline_hub  # noqa: E402
-from notebook_runs import kill_after_first_durable_checkpoint_and_rerun  # noqa: E402
+from notebook_runs import kill_after_first_durable_checkpoint_and_rerun, printed  # noqa: E402
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,11 +47,6 @@ def notebook_constants(path: Path, *names: str) -> dict:
             if isinstance(node, ast.Assign) and len(node.targets) == 1 and getattr(node.targets[0], "id", None) in names:
                 values[node.targets[0].id] = eval(compile(ast.Expression(node.value), str(path), "eval"), {}, values)
     return values
-
-
-def printed(workdir: Path) -> str:
-    out = json.loads((workdir / "out.ipynb").read_text())
-    return "".join("".join(o.get("text", "")) for c in out["cells"] for o in c.get("outputs", []))
 
 
 def loads_cleanly(auto_class, folder: Path):

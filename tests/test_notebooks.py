@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
-from notebook_runs import events, kill_after_first_durable_checkpoint_and_rerun, run_notebook  # noqa: E402
+from notebook_runs import events, kill_after_first_durable_checkpoint_and_rerun, printed, run_notebook  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
@@ -153,10 +153,9 @@ GPT2 = ROOT / "notebooks" / "distilgpt2_finetune.ipynb"
 def test_gpt2_quick_preset_runs_headless_and_lowers_perplexity(tmp_path):
     _, metrics = run_to_the_end(GPT2, tmp_path, "distilgpt2-wikitext")
     assert metrics["perplexity_after"] < metrics["perplexity_before"] / 5
-    out = json.loads((tmp_path / "out.ipynb").read_text())
-    printed = "".join("".join(o.get("text", "")) for c in out["cells"] for o in c.get("outputs", []))
-    assert "layer 'lm_head2' is Linear(50257 -> 50257)" in printed  # the seed's model, flagged
-    assert "preflight: no problems found" in printed  # this notebook's configuration
+    said = printed(tmp_path)
+    assert "layer 'lm_head2' is Linear(50257 -> 50257)" in said  # the seed's model, flagged
+    assert "preflight: no problems found" in said  # this notebook's configuration
 
 
 @pytest.mark.slow

@@ -4,6 +4,7 @@ would, kill them mid-run, and read what their runs journaled. Used by tests/test
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -26,6 +27,12 @@ def run_notebook(path, workdir, *params, popen=False, env=None):
         return subprocess.Popen(cmd, cwd=workdir, env=environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True)
     return subprocess.run(cmd, cwd=workdir, env=environ, capture_output=True, text=True, timeout=900)
+
+
+def printed(workdir) -> str:
+    """Everything the executed notebook (`workdir/out.ipynb`) printed, cell after cell."""
+    out = json.loads((workdir / "out.ipynb").read_text())
+    return "".join("".join(o.get("text", "")) for c in out["cells"] for o in c.get("outputs", []))
 
 
 def events(run_dir):
