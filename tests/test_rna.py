@@ -93,6 +93,47 @@ def test_the_tokenizer_gives_one_token_per_nucleotide_and_never_unk_for_rna():
     assert tokenizer.convert_ids_to_tokens(tokenizer("GNRY")["input_ids"]) == ["[CLS]", "G", "N", "R", "Y", "[SEP]"]
 
 
+def test_kmer_tokens_are_overlapping_known_after_a_reload_and_reach_the_dataset(tmp_path):
+    from transformers import AutoTokenizer
+
+    from colab_kit.rna import as_token_text, kmer_size, to_dataset
+
+    tokenizer = nucleotide_tokenizer(model_max_length=64, k=3)
+    assert as_token_text(["ACGUA", "AC"], 3) == ["ACG CGU GUA", "AC"] and as_token_text(["ACGUA"], 1) == ["ACGUA"]
+    ids = tokenizer(as_token_text(["ACGUAN"], 3))["input_ids"][0]
+    assert tokenizer.convert_ids_to_tokens(ids) == ["[CLS]", "ACG", "CGU", "GUA", "[UNK]", "[SEP]"]  # UAN: not ACGU
+    assert len(tokenizer) == 5 + 4 ** 3 and kmer_size(tokenizer) == 3 and kmer_size(nucleotide_tokenizer()) == 1
+    tokenizer.save_pretrained(tmp_path / "tok")
+    reloaded = AutoTokenizer.from_pretrained(tmp_path / "tok")
+    assert kmer_size(reloaded) == 3 and reloaded(as_token_text(["ACGUAN"], 3))["input_ids"][0] == ids
+    records = Records(["ACGUAN", "GGGG"], ["x", "y"], "mem")
+    data = to_dataset(records, reloaded, 64, {"x": 0, "y": 1})  # raw sequences in, k-mer ids out
+    assert data["input_ids"][0] == ids and data["length"] == [6, 4]
+    for bad in (0, 7, 2.5):
+        with pytest.raises(ValueError, match="k-mer size from 2 to 6"):
+            nucleotide_tokenizer(k=bad)
+
+
+def test_kmer_masking_hides_whole_runs_so_neighbours_cannot_give_a_token_away():
+    import torch
+
+    from colab_kit.rna import _kmer_span_collator, as_token_text
+
+    tokenizer = nucleotide_tokenizer(model_max_length=4096, k=3)
+    rows = [{"input_ids": tokenizer(text)["input_ids"]} for text in as_token_text(["ACGUUGCA" * 250] * 4, 3)]
+    torch.manual_seed(0)
+    batch = _kmer_span_collator(tokenizer, 3)(rows)
+    masked = batch["labels"] != -100
+    inner = masked[:, 1:-1]
+    share = inner.float().mean().item()
+    assert 0.12 < share < 0.18  # about 15 % of the tokens, as with single nucleotides
+    runs = [len(r) for row in inner.int().tolist() for r in "".join(map(str, row)).split("0") if r]
+    assert min(runs) >= 3  # never a lone masked k-mer: its neighbours would spell it out
+    assert not masked[:, 0].any() and not masked[:, -1].any()  # [CLS] and [SEP] stay
+    to_mask = batch["input_ids"][masked] == tokenizer.mask_token_id
+    assert 0.7 < to_mask.float().mean().item() < 0.9
+
+
 def test_max_length_from_percentiles_capped_by_the_model():
     sequences = ["A" * n for n in range(10, 110)]  # lengths 10..109
     assert choose_max_length(sequences, 1024, percentile=95) == (112, 0)  # ceil(p95)=105, +2 special, up to 112
