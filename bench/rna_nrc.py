@@ -72,10 +72,11 @@ def scratch_model(train, val, test, labels, args, workdir: Path, seed: int):
     from colab_kit import rna
 
     label2id = {label: i for i, label in enumerate(labels)}
-    tokenizer = rna.nucleotide_tokenizer(model_max_length=args.max_length)
+    tokenizer = rna.nucleotide_tokenizer(model_max_length=args.max_length, k=args.kmer)
     data = {name: rna.to_dataset(part, tokenizer, args.max_length, label2id)
             for name, part in (("train", train), ("validation", val), ("test", test))}
-    config = rna.scratch_bert_config(len(tokenizer), len(labels), args.max_length, size=args.size, layers=args.layers or None)
+    config = rna.scratch_bert_config(len(tokenizer), len(labels), args.max_length, size=args.size, layers=args.layers or None,
+                                      dropout=args.dropout)
     started = time.perf_counter()  # pre-training counts in the model's time
     pretrained = None
     if args.mlm_epochs:  # self-pre-training on the training split's sequences
@@ -116,14 +117,19 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
     parser.add_argument("--seeds", type=int, default=3, help="runs of the model, with seeds 0 .. N-1")
-    parser.add_argument("--epochs", type=int, default=44, help="fine-tuning epochs")
-    parser.add_argument("--mlm-epochs", type=int, default=6, help="masked-LM pre-training epochs (0: none)")
+    parser.add_argument("--epochs", type=int, default=12, help="fine-tuning epochs")
+    parser.add_argument("--mlm-epochs", type=int, default=0, help="masked-LM pre-training epochs (0: none)")
     parser.add_argument("--size", choices=["tiny", "small"], default="tiny")
     parser.add_argument("--layers", type=int, default=0, help="overrides the size's depth (0: the size's own)")
     parser.add_argument("--micro-batch", type=int, default=8,
                         help="rows per micro-batch of the 32-row batch (length-sorted: less padding)")
     parser.add_argument("--max-length", type=int, default=256)
+    parser.add_argument("--kmer", type=int, default=4, help="token size: 1 per nucleotide, 2-6 overlapping k-mers")
+    parser.add_argument("--validation", action="store_true",
+                        help="score on the validation split (baselines fit on the rest of training); the test file "
+                             "is not read: for choosing a recipe")
     parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--dropout", type=float, default=0.1, help="in the embeddings, attention and MLP blocks")
     args = parser.parse_args()
     if args.seeds < 1:
         parser.error("--seeds: give 1 or more")
@@ -134,11 +140,14 @@ def main() -> int:
 
     started = time.perf_counter()
     train_all = rna.clean_records(rna.read_sequences(args.data / TRAIN))[0]
-    test = rna.clean_records(rna.read_sequences(args.data / TEST))[0]
     labels = sorted(set(train_all.labels))
     train_idx, val_idx = rna.stratified_split(train_all.labels, fraction=0.1, seed=0)
     train, val = train_all.subset(train_idx), train_all.subset(val_idx)
-    seen = rna.seen_in_training(train_all, test)
+    if args.validation:  # choosing a recipe: the validation split stands in for the test set, which stays unread
+        part, fitted, test = "validation", train, val
+    else:
+        part, fitted, test = "test", train_all, rna.clean_records(rna.read_sequences(args.data / TEST))[0]
+    seen = rna.seen_in_training(fitted, test)
     fresh = ~np.array(seen)
     rows = []
 
@@ -150,9 +159,10 @@ def main() -> int:
 
     for name, tfidf in (("k-mer (1-5) frequencies + LR", False), ("k-mer (1-5) TF-IDF + LR", True)):
         t0 = time.perf_counter()
-        predicted, c = kmer_baseline(train, val, train_all, test, tfidf)
+        predicted, c = kmer_baseline(train, val, fitted, test, tfidf)
         score(name, predicted, time.perf_counter() - t0, f"C={c:g}, chosen on the validation split")
     recipe = f"MLM {args.mlm_epochs} + {args.epochs} ep." if args.mlm_epochs else f"{args.epochs} ep."
+    recipe = f"{args.kmer}-mers, {recipe}" if args.kmer > 1 else recipe
     for seed in range(args.seeds):
         with tempfile.TemporaryDirectory() as tmp:
             order, predicted, seconds, curve, model = scratch_model(train, val, test, labels, args, Path(tmp), seed)
@@ -162,17 +172,18 @@ def main() -> int:
         shape = f"{model.config.num_hidden_layers}x{model.config.hidden_size}"
         score(f"from-scratch {shape} ({params / 1e6:.2f} M, {recipe}) seed {seed}", predicted, seconds,
               f"validation accuracy per epoch: {curve}")
-        print(f"seed {seed} done: test accuracy {rows[-1][1]['accuracy']:.3f} in {seconds:.0f} s", flush=True)
+        print(f"seed {seed} done: {part} accuracy {rows[-1][1]['accuracy']:.3f} in {seconds:.0f} s", flush=True)
 
-    print(f"\nnRC: {len(train)} training, {len(val)} validation, {len(test)} test sequences "
-          f"({sum(seen)} of them also in training; {int(fresh.sum())} de-duplicated); max_length {args.max_length}\n")
-    print(f"{'method':<58}{'acc':>13}{'macro-F1':>13}{'MCC':>13}{'dedup acc':>13}{'dedup F1':>13}{'time s':>8}")
+    print(f"\nnRC: {len(train)} training and {len(val)} validation sequences; scored on the {part} set "
+          f"({len(test)}, {sum(seen)} of them also in training; {int(fresh.sum())} de-duplicated); "
+          f"max_length {args.max_length}\n")
+    print(f"{'method':<64}{'acc':>13}{'macro-F1':>13}{'MCC':>13}{'dedup acc':>13}{'dedup F1':>13}{'time s':>8}")
     for name, full, dedup, seconds, _ in rows:
-        print(f"{name:<58}" + "".join(f"{v:>13.3f}" for v in columns(full, dedup)) + f"{seconds:>8.0f}")
+        print(f"{name:<64}" + "".join(f"{v:>13.3f}" for v in columns(full, dedup)) + f"{seconds:>8.0f}")
     runs = rows[2:]
     table = np.array([columns(full, dedup) for _, full, dedup, *_ in runs])
     mean, sd = table.mean(0), (table.std(0, ddof=1) if len(runs) > 1 else np.zeros(table.shape[1]))
-    print(f"{f'from-scratch, mean +- sd over {len(runs)} seeds':<58}"
+    print(f"{f'from-scratch, mean +- sd over {len(runs)} seeds':<64}"
           + "".join(f"{f'{m:.3f}+-{d:.3f}':>13}" for m, d in zip(mean, sd))
           + f"{np.mean([r[3] for r in runs]):>8.0f}")
     for name, *_, note in rows:

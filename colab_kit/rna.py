@@ -114,7 +114,7 @@ def predict(model, tokenizer, sequences: list[str], max_length: int, batch_size:
 
 
 def scratch_bert_config(vocab_size: int, num_labels: int, max_length: int, size: str = "small",
-                        layers: int | None = None):
+                        layers: int | None = None, dropout: float = 0.0):
     """A BERT-family encoder to train from scratch on nucleotide tokens: "small" (4 x 256) or "tiny" (2 x 128).
 
     `layers` overrides the size's depth (width stays). On nRC, 4 x 128 reached 0.76 validation
@@ -138,6 +138,8 @@ def scratch_bert_config(vocab_size: int, num_labels: int, max_length: int, size:
 
     if size not in ("small", "tiny"):
         raise ValueError(f"size={size!r}: use 'small' (4 x 256) or 'tiny' (2 x 128)")
+    if not 0 <= dropout < 1:
+        raise ValueError(f"dropout={dropout!r}: give a probability from 0 (none) to below 1")
     if layers is not None and not is_count(layers):
         raise ValueError(f"layers={layers!r}: give a whole number of layers >= 1, or None for the size's own")
     hidden, depth = {"small": (256, 4), "tiny": (128, 2)}[size]
@@ -146,6 +148,7 @@ def scratch_bert_config(vocab_size: int, num_labels: int, max_length: int, size:
                             intermediate_size=2 * hidden, max_position_embeddings=max(512, max_length),
                             local_attention=64, classifier_pooling="mean", num_labels=num_labels,
                             global_rope_theta=1000.0, local_rope_theta=1000.0,
+                            embedding_dropout=dropout, attention_dropout=dropout, mlp_dropout=dropout,
                             pad_token_id=0, cls_token_id=2, sep_token_id=3, bos_token_id=2, eos_token_id=3)
 
 

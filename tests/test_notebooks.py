@@ -16,7 +16,7 @@ RNA = ROOT / "notebooks" / "rna_bert_classification.ipynb"
 COMMON = {"RUN_NAME", "PRESET", "MAX_STEPS", "DRIVE_DIR", "BATCH_SIZE", "EPOCHS", "LEARNING_RATE", "SAVE_EVERY",
           "ALLOW_CPU"}
 REQUIRED = {
-    "rna_bert_classification.ipynb": COMMON | {"MODEL", "TRAIN_DATA", "TEST_DATA", "MAX_LENGTH"},
+    "rna_bert_classification.ipynb": COMMON | {"MODEL", "TRAIN_DATA", "TEST_DATA", "MAX_LENGTH", "KMER"},
     "distilgpt2_finetune.ipynb": COMMON | {"MODEL_NAME", "BLOCK_SIZE", "FREEZE_LAYERS"},
 }
 
@@ -129,10 +129,14 @@ def test_rna_notebook_pretrains_the_scratch_model_in_its_own_run_then_fine_tunes
 
 
 @pytest.mark.slow
-def test_rna_notebook_refuses_pretraining_a_pretrained_model(tmp_path):
+def test_rna_notebook_refuses_pretraining_or_kmers_for_a_pretrained_model_and_a_bad_kmer(tmp_path):
     proc = run_notebook(RNA, tmp_path, ("PRETRAIN_EPOCHS", "2"), ("MODEL", "'multimolecule/rnafm'"))
     assert proc.returncode == 1
     assert "PRETRAIN_EPOCHS is for the from-scratch models" in proc.stderr and "PRETRAIN_EPOCHS = 0" in proc.stderr
+    proc = run_notebook(RNA, tmp_path, ("KMER", "3"), ("MODEL", "'multimolecule/rnafm'"))
+    assert proc.returncode == 1 and "KMER is for the from-scratch models" in proc.stderr, proc.stderr[-2000:]
+    proc = run_notebook(RNA, tmp_path, ("KMER", "7"))
+    assert proc.returncode == 1 and "KMER=7: give 1 (one token per nucleotide)" in proc.stderr, proc.stderr[-2000:]
 
 
 @pytest.mark.slow
