@@ -1,7 +1,7 @@
 """nRC ncRNA family classification on the real data: a from-scratch nucleotide model vs k-mer baselines.
 
-    python bench/rna_nrc.py [--seeds 3] [--epochs 44] [--mlm-epochs 6] [--size tiny] [--layers 0] [--micro-batch 8]
-                            [--data DIR]
+    python bench/rna_nrc.py [--seeds 3] [--kmer 4] [--epochs 12] [--dropout 0.1] [--mlm-epochs 0] [--size tiny]
+                            [--layers 0] [--micro-batch 8] [--max-length 256] [--lr 2e-3] [--validation] [--data DIR]
 
 Reads the nRC benchmark (6,320 training and 2,600 test sequences, 13 families) from
 `../shared/data/nrc/` (skips cleanly when it is absent), splits 10 % validation off the training
@@ -10,14 +10,17 @@ sequences that also occur in training, for, in the same run:
 
 - k-mer (1-5) frequencies + logistic regression (the baseline of the nRC literature, ~85 %),
 - the same with TF-IDF weighting (a stronger variant),
-- the notebook's from-scratch model (`rna.scratch_bert_config`, single-nucleotide tokens, "tiny":
-  2 layers x 128) trained through `ck.start_run` + `run.train`: first as a masked LM on the
-  training split's sequences (`rna.pretrain_masked_lm`), then fine-tuned as a classifier; once per
-  seed (0 .. N-1: initialisation, masking, dropout and data order; the split and the baselines stay
-  the same), each run listed, then the mean +- standard deviation of each column, and a summary that
-  compares the mean with each baseline.
+- the notebook's from-scratch model (`rna.scratch_bert_config`, "tiny": 2 layers x 128, reading
+  overlapping 4-mers, dropout 0.1) trained through `ck.start_run` + `run.train` (with
+  `--mlm-epochs N`, first as a masked LM on the training split's sequences,
+  `rna.pretrain_masked_lm`), once per seed (0 .. N-1: initialisation, masking, dropout and data
+  order; the split and the baselines stay the same), each run listed, then the mean +- standard
+  deviation of each column, and a summary that compares the mean with each baseline.
 
-Each seed is sized for <= 30 minutes on a 2-core CPU (3 seeds: about 90). Batches are not grouped by length: in nRC
+`--validation` is for choosing a recipe: it scores everything on the validation split (the
+baselines fitted on the rest of the training set) and never reads the test file.
+
+Each seed is sized for <= 30 minutes on a 2-core CPU. Batches are not grouped by length: in nRC
 length nearly gives the family away, and length-sorted batches made training collapse. Each
 32-row batch is instead run as micro-batches of 8 (`run.train(micro_batch=8)`), ordered by length
 within the batch: the same gradient on about two thirds of the padded tokens.
