@@ -78,8 +78,8 @@ def scratch_model(train, val, test, labels, args, workdir: Path, seed: int):
     tokenizer = rna.nucleotide_tokenizer(model_max_length=args.max_length, k=args.kmer)
     data = {name: rna.to_dataset(part, tokenizer, args.max_length, label2id)
             for name, part in (("train", train), ("validation", val), ("test", test))}
-    config = rna.scratch_bert_config(len(tokenizer), len(labels), args.max_length, size=args.size, layers=args.layers or None,
-                                      dropout=args.dropout)
+    config = rna.scratch_bert_config(len(tokenizer), len(labels), args.max_length, size=args.size,
+                                     layers=args.layers or None, dropout=args.dropout)
     started = time.perf_counter()  # pre-training counts in the model's time
     pretrained = None
     if args.mlm_epochs:  # self-pre-training on the training split's sequences

@@ -22,7 +22,7 @@ __all__ = ["RnaDataError", "Records", "CleaningReport", "read_sequences", "clean
            "seen_in_training", "length_stats", "choose_max_length", "nucleotide_tokenizer", "kmer_size",
            "as_token_text", "generate_rna_families", "stratified_split", "classification_metrics", "NUCLEOTIDES",
            "to_dataset", "predict", "scratch_bert_config", "length_label_association", "pretrain_masked_lm",
-           "download_path"]
+           "download_path", "MAX_K"]
 
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 MAX_K = 6  # 4,096 k-mers; beyond that most k-mers are too rare in a few thousand sequences to learn
@@ -103,8 +103,8 @@ def predict(model, tokenizer, sequences: list[str], max_length: int, batch_size:
     ids, probs = [], []
     with torch.no_grad():
         for start in range(0, len(cleaned), batch_size):
-            batch = tokenizer(as_token_text(cleaned[start:start + batch_size], k), truncation=True, max_length=max_length,
-                              padding=True, return_tensors="pt").to(device)
+            text = as_token_text(cleaned[start:start + batch_size], k)
+            batch = tokenizer(text, truncation=True, max_length=max_length, padding=True, return_tensors="pt").to(device)
             batch.pop("token_type_ids", None)  # other tokenizers (RNA-FM's) may still make them
             logits = model(**batch).logits.float()
             p = torch.softmax(logits, dim=-1)
