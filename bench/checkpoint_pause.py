@@ -27,7 +27,7 @@ from pathlib import Path
 
 
 def install_throttle(rate_bytes: float, slow_root: Path) -> None:
-    from colab_kit import storage
+    from colab_kit.checkpoints import storage
 
     lock = threading.Lock()
     original = storage._write_chunk
@@ -91,7 +91,7 @@ class PauseMeter:
 def run_direct(root: Path, steps: int, save_every: int) -> tuple[float, int]:
     from transformers import Trainer
 
-    from colab_kit import storage
+    from colab_kit.checkpoints import storage
 
     local, slow = root / "local", root / "drive"
     trainer = build(local, steps, save_every)

@@ -19,7 +19,7 @@ import time
 import torch
 
 import colab_kit as ck
-from colab_kit import gauges as gauges_mod
+from colab_kit.gauges import gauges as gauges_mod
 
 
 class RenderOnlyView:

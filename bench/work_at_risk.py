@@ -24,9 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "scripts"
 import harness  # noqa: E402
 from emulated_drive import EmulatedDrive, why_no_fuse  # noqa: E402
 
-from colab_kit.checkpoint import list_checkpoints  # noqa: E402
-from colab_kit.journal import read_events  # noqa: E402
-from colab_kit.manifest import read_manifest, verify_folder  # noqa: E402
+from colab_kit.checkpoints.checkpoint import list_checkpoints  # noqa: E402
+from colab_kit.checkpoints.journal import read_events  # noqa: E402
+from colab_kit.checkpoints.manifest import read_manifest, verify_folder  # noqa: E402
 
 RULES = {"written": "prune once a newer one is written (before 0.2)", "cloud": "prune once a newer one is in the cloud"}
 

@@ -5,24 +5,36 @@
     run.train(trainer)
 
 `import colab_kit` needs no GPU, no ipywidgets and no google.colab; the parts that need
-transformers or torch import them when used.
+transformers or torch import them when used. The subpackages are layers, each importing only
+from those below it (pyproject.toml's import-linter contract; docs/architecture.md):
+
+    __main__ (the command line)  >  tasks (what the notebooks do)  >  run  >  drive | memory  >
+    gauges  >  distributed  >  checkpoints  >  the base: _notices, runtime, _units, errors
 """
 
-from .errors import (CheckpointError, ColabKitError, ColabKitWarning, DriveError, LeaseHeldError,
-                     ResumeMismatchError)
-from .gauges import Gauges, plot_history
-from .journal import read_events
-from .preflight import preflight
-from .oom import MicroBatcher, OutOfMemoryError, free_memory, is_oom_error
-from .oom import configure_allocator as _configure_allocator
-from .recipes import memory_args
-from .run import Run
-from .start import start_run
-from .drivecheck import drive_check
-from .runtime import detect_runtime, in_colab, in_notebook
-from .store import CheckpointStore
+import sys as _sys
 
-__version__ = "0.1.0"
+from .checkpoints.journal import read_events
+from .drive.drivecheck import drive_check
+from .errors import CheckpointError, ColabKitError, ColabKitWarning, DriveError, LeaseHeldError, ResumeMismatchError
+from .gauges.gauges import Gauges, plot_history
+from .memory import recipes  # noqa: F401  (ck.recipes.freeze_layers, as notebooks before 0.3 call it)
+from .memory.oom import MicroBatcher, OutOfMemoryError, free_memory, is_oom_error
+from .memory.oom import configure_allocator as _configure_allocator
+from .memory.preflight import preflight
+from .memory.recipes import memory_args
+from .run.run import Run
+from .run.start import start_run
+from .run.store import CheckpointStore
+from .runtime import KIT_VERSION as __version__  # noqa: F401
+from .runtime import detect_runtime, in_colab, in_notebook
+from .tasks import rna, text, versions
+
+# Module paths that notebooks saved before the kit had subpackages import (`from colab_kit.versions
+# import ...` in the RNA notebook's install cell, `from colab_kit.rna import ...`): kept working.
+for _name, _module in {"rna": rna, "text": text, "versions": versions}.items():
+    _sys.modules.setdefault(f"{__name__}.{_name}", _module)
+del _name, _module
 
 # Before anything creates a CUDA context: expandable segments fragment GPU memory less.
 _configure_allocator()

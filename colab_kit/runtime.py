@@ -9,13 +9,25 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from ._units import format_bytes
 
-__all__ = ["GpuInfo", "RuntimeInfo", "in_colab", "in_notebook", "gpu_info", "host_ram_limit", "detect_runtime",
+__all__ = ["KIT_VERSION", "GpuInfo", "RuntimeInfo", "in_colab", "in_notebook", "gpu_info", "host_ram_limit", "detect_runtime",
            "require_gpu"]
 
+
+
+def _kit_version() -> str:
+    """The installed kit's version (pyproject.toml is the one place it is kept)."""
+    try:
+        return version("colab-kit")
+    except PackageNotFoundError:  # a source checkout that was never installed
+        return "0+unknown"
+
+
+KIT_VERSION = _kit_version()  # recorded in every manifest
 # cgroup v1/v2 report "no limit" as a huge number close to 2**63.
 _UNLIMITED = 1 << 60
 

@@ -1,6 +1,6 @@
 """Shared fixtures. Hardware and Colab are faked at one seam each:
 
-- Drive trouble: `colab_kit.storage` functions (`DriveFaults`),
+- Drive trouble: `colab_kit.checkpoints.storage` functions (`DriveFaults`),
 - Colab: a stand-in `google.colab` package in `sys.modules` (`fake_colab`),
 - NVML and cgroups: a fake `pynvml` module and fake /proc, /sys files (in the tests),
 - Google Drive's upload semantics: a real FUSE filesystem, the DriveFS emulator
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from colab_kit import storage
+from colab_kit.checkpoints import storage
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
@@ -72,7 +72,7 @@ def local(tmp_path) -> Path:
 class DriveFaults:
     """Makes every persistent-folder operation under `root` fail with `errno` while active.
 
-    Patches the functions of `colab_kit.storage` (the kit's only path to the persistent folder),
+    Patches the functions of `colab_kit.checkpoints.storage` (the kit's only path to the persistent folder),
     plus reads of manifests, so the failure looks like a Drive mount that went away.
     """
 

@@ -7,12 +7,12 @@ import sys
 import nbformat
 import pytest
 
-from colab_kit.cli import _literal, main
+from colab_kit.__main__ import _literal, main
 
 
 def test_status_lists_checkpoints_lease_and_events(drive, local, capsys):
-    from colab_kit.demo import tiny_trainer
     import colab_kit as ck
+    from colab_kit.tasks.demo import tiny_trainer
 
     run = ck.start_run("st", drive=drive, local_dir=local, save_every=5, quiet=True)
     run.train(tiny_trainer(run, max_steps=10))

@@ -3,12 +3,10 @@
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
-
-ROOT = Path(__file__).resolve().parents[1]
+from project import ROOT  # noqa: E402
 
 
 def run_script(*args, timeout=900):

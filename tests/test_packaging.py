@@ -5,12 +5,12 @@ import pkgutil
 import re
 import subprocess
 import sys
+
 import tomllib
-from pathlib import Path
+from project import ROOT  # noqa: E402
 
 import colab_kit
 
-ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 
 
@@ -68,13 +68,24 @@ def test_public_api_is_exactly_the_exported_names():
 
 
 def test_every_public_module_declares_all():
-    for info in pkgutil.iter_modules(colab_kit.__path__):
-        if info.name.startswith("_"):
-            continue
-        module = importlib.import_module(f"colab_kit.{info.name}")
-        assert hasattr(module, "__all__"), f"colab_kit.{info.name} has no __all__"
+    modules = [info for info in pkgutil.walk_packages(colab_kit.__path__, "colab_kit.")
+               if not info.name.rsplit(".", 1)[1].startswith("_") and not info.ispkg]
+    assert len(modules) >= 40
+    for info in modules:
+        module = importlib.import_module(info.name)
+        assert hasattr(module, "__all__"), f"{info.name} has no __all__"
         for name in module.__all__:
-            assert hasattr(module, name), f"colab_kit.{info.name}.__all__ names missing {name}"
+            assert hasattr(module, name), f"{info.name}.__all__ names missing {name}"
+
+
+def test_module_paths_of_notebooks_saved_before_the_rooms_still_import():
+    # The RNA notebook's install cell imported colab_kit.versions; notebooks imported colab_kit.rna's names
+    # and called ck.recipes.freeze_layers.
+    from colab_kit.rna import nucleotide_tokenizer  # noqa: F401
+    from colab_kit.text import tokenize_and_group  # noqa: F401
+    from colab_kit.versions import check_multimolecule, multimolecule_install  # noqa: F401
+
+    assert callable(colab_kit.recipes.freeze_layers) and colab_kit.rna.resolve_settings is not None
 
 
 def test_import_is_light_and_needs_no_gpu_widgets_or_colab():

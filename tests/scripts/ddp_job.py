@@ -29,11 +29,11 @@ def worker(args) -> None:
     from transformers import TrainerCallback
 
     import colab_kit as ck
-    from colab_kit.demo import tiny_trainer
+    from colab_kit.tasks.demo import tiny_trainer
 
     rank = int(os.environ.get("RANK", "0"))
     if args.slow_reads:  # a slow persistent folder: every file read from it takes this long
-        from colab_kit import storage
+        from colab_kit.checkpoints import storage
 
         copy = storage.copy_file
         drive = os.path.abspath(args.drive)
@@ -54,7 +54,7 @@ def worker(args) -> None:
     if args.fetch_fails_on == rank:  # this rank's machine cannot read the persistent folder
         import errno
 
-        from colab_kit import checkpoint
+        from colab_kit.checkpoints import checkpoint
 
         def unreadable(*a, **kw):
             raise OSError(errno.EIO, "injected: the persistent folder cannot be read here")
@@ -128,13 +128,14 @@ def main() -> None:
     args = parser.parse_args()
     args.save_every = int(args.save_every) if args.save_every.isdigit() else args.save_every
     if args.launcher == "notebook" and args.start_in_parent:
-        import colab_kit as ck
         from accelerate import notebook_launcher
+
+        import colab_kit as ck
 
         run = ck.start_run(args.name, drive=args.drive, local_dir=args.scratch, save_every=args.save_every)
 
         def train_in_child():
-            from colab_kit.demo import tiny_trainer
+            from colab_kit.tasks.demo import tiny_trainer
 
             run.train(tiny_trainer(run, max_steps=args.steps, batch_size=8))
 

@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import argparse
 import collections
-import faulthandler
 import errno
+import faulthandler
 import hashlib
 import itertools
 import os

@@ -36,7 +36,7 @@ def printed(workdir) -> str:
 
 
 def events(run_dir):
-    from colab_kit.journal import read_events
+    from colab_kit.checkpoints.journal import read_events
 
     return read_events(run_dir / "events.jsonl")
 

@@ -45,7 +45,9 @@ class Killer:
 
 
 def install_kill_hooks(killer: Killer, drive: Path) -> None:
-    from colab_kit import drivefs, storage, store
+    from colab_kit.checkpoints import storage
+    from colab_kit.drive import drivefs
+    from colab_kit.run import store
 
     write_chunk = storage._write_chunk
 
@@ -125,7 +127,7 @@ def start(args, **overrides):
 def run_trainer(args, killer: Killer):
     from transformers import TrainerCallback
 
-    from colab_kit.demo import tiny_trainer
+    from colab_kit.tasks.demo import tiny_trainer
 
     class Hooks(TrainerCallback):
         def on_step_end(self, a, state, control, **kw):
@@ -153,7 +155,7 @@ def best_model_options(direction: str) -> dict:
     import numpy as np
     from transformers import EarlyStoppingCallback
 
-    from colab_kit.demo import toy_classification
+    from colab_kit.tasks.demo import toy_classification
 
     def logit_size(prediction):
         size = float(np.abs(prediction.predictions).mean())
@@ -168,9 +170,9 @@ def best_model_options(direction: str) -> dict:
 
 def run_plain(args, killer: Killer):
     import torch
-
-    from colab_kit.demo import tiny_bert_config, toy_classification
     from transformers import BertForSequenceClassification
+
+    from colab_kit.tasks.demo import tiny_bert_config, toy_classification
 
     run = start(args, save_every=None)
     store = run.checkpoint_store()
@@ -227,9 +229,9 @@ def main() -> None:
         import socket
 
         socket.gethostname = lambda: args.hostname
-    import colab_kit.start
+    import colab_kit.run.start
 
-    colab_kit.start._PRUNE_AFTER = args.prune_after
+    colab_kit.run.start._PRUNE_AFTER = args.prune_after
     killer = Killer(args.kill)
     install_kill_hooks(killer, Path(args.drive).absolute())
     model, step = (run_trainer if args.loop == "trainer" else run_plain)(args, killer)

@@ -1,0 +1,116 @@
+"""MANIFEST.json: the small file, written last, that makes a checkpoint folder exist.
+
+A checkpoint folder without a manifest that verifies does not exist as far as resume is
+concerned: the data files are written first, the manifest (their sizes and sha256) last and
+atomically, so a kill at any moment leaves either no manifest or a complete one.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from ..runtime import KIT_VERSION
+from . import storage
+
+__all__ = ["MANIFEST", "Manifest", "FileEntry", "hash_folder", "read_manifest", "write_manifest",
+           "verify_folder"]
+
+MANIFEST = "MANIFEST.json"
+_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    size: int
+    sha256: str
+    md5: str = ""  # what Drive reports as the file's checksum (md5Checksum, user.drive.md5)
+
+
+@dataclass
+class Manifest:
+    """What a checkpoint folder holds, and what made it."""
+
+    step: int
+    files: dict[str, FileEntry]
+    fingerprint: dict = field(default_factory=dict)
+    created: float = field(default_factory=time.time)
+    kit_version: str = KIT_VERSION  # the kit that wrote it
+    kit_state: dict = field(default_factory=dict)  # the training clock (one file fewer to upload)
+    format: int = _FORMAT
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(entry.size for entry in self.files.values())
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, obj: dict) -> "Manifest":
+        files = {name: FileEntry(int(e["size"]), str(e["sha256"]), str(e.get("md5", "")))
+                 for name, e in obj["files"].items()}
+        return cls(step=int(obj["step"]), files=files, fingerprint=dict(obj.get("fingerprint") or {}),
+                   created=float(obj.get("created", 0.0)), kit_version=str(obj.get("kit_version", "")),
+                   kit_state=dict(obj.get("kit_state") or {}), format=int(obj.get("format", _FORMAT)))
+
+
+def _data_files(folder: Path) -> list[Path]:
+    files = [p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST
+             and not storage.is_temp_name(p.name)]
+    return sorted(files)
+
+
+def hash_folder(folder: str | Path) -> dict[str, FileEntry]:
+    """Size, sha256 and md5 of every data file in `folder` (relative POSIX names)."""
+    folder = Path(folder)
+    return {p.relative_to(folder).as_posix(): FileEntry(p.stat().st_size, *storage.file_digests(p))
+            for p in _data_files(folder)}
+
+
+def write_manifest(folder: str | Path, manifest: Manifest) -> None:
+    """Write MANIFEST.json atomically (call only after every data file is durable)."""
+    storage.atomic_write_json(Path(folder) / MANIFEST, manifest.to_json())
+
+
+def read_manifest(folder: str | Path) -> Manifest:
+    """Parse a folder's manifest.
+
+    Raises:
+        ValueError: missing or unreadable manifest, with the reason.
+    """
+    path = Path(folder) / MANIFEST
+    try:
+        return Manifest.from_json(json.loads(path.read_text()))
+    except FileNotFoundError:
+        raise ValueError("no MANIFEST.json (the save or upload did not finish)") from None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"unreadable MANIFEST.json ({exc})") from None
+
+
+def verify_folder(folder: str | Path, manifest: Manifest | None = None, *, hashes: bool = True) -> str | None:
+    """Check a checkpoint folder against its manifest.
+
+    Returns:
+        None when every listed file exists with the right size (and sha256, if `hashes`),
+        else a short reason naming the first problem.
+    """
+    folder = Path(folder)
+    if manifest is None:
+        try:
+            manifest = read_manifest(folder)
+        except ValueError as exc:
+            return str(exc)
+    for name, entry in manifest.files.items():
+        path = folder / name
+        try:
+            size = path.stat().st_size
+        except OSError:
+            return f"{name} is missing"
+        if size != entry.size:
+            return f"{name} has {size} bytes, the manifest says {entry.size} (truncated?)"
+        if hashes and storage.sha256_file(path) != entry.sha256:
+            return f"{name} does not match its sha256 (corrupted)"
+    return None

@@ -1,0 +1,106 @@
+"""Snapshots: an immutable local copy of a checkpoint, taken in the training loop, uploaded later.
+
+The training loop pays only for hard links (or a local copy where links are not possible), so
+that the Trainer's own pruning cannot delete files under the upload. Hard links share bytes with
+the source, so `stamps` (size, mtime) let the uploader check that nothing changed before it
+trusts its hashes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import storage
+from .manifest import MANIFEST, Manifest, hash_folder, write_manifest
+
+__all__ = ["SNAPSHOTS", "Snapshot", "SnapshotChanged", "take_snapshot", "snapshot_manifest", "stamp", "discard"]
+
+log = logging.getLogger(__name__)
+
+SNAPSHOTS = ".snapshots"
+
+
+@dataclass
+class Snapshot:
+    """An immutable local copy of one checkpoint, waiting to be mirrored."""
+
+    step: int
+    path: Path
+    fingerprint: dict = field(default_factory=dict)
+    stamps: dict[str, tuple[int, int]] = field(default_factory=dict)  # name -> (size, mtime_ns)
+    source: Path | None = None  # the folder it was taken from (gets a local MANIFEST too)
+    taken: float = field(default_factory=time.time)
+    kit_state: dict = field(default_factory=dict)  # recorded in the manifest
+
+    @property
+    def bytes(self) -> int:
+        return sum(size for size, _ in self.stamps.values())
+
+
+def stamp(path: Path) -> tuple[int, int]:
+    st = path.stat()
+    return st.st_size, st.st_mtime_ns
+
+
+def take_snapshot(source: str | Path, snapshots_root: str | Path, step: int,
+                  fingerprint: dict | None = None, kit_state: dict | None = None) -> Snapshot:
+    """Hard-link (or copy) every file of `source` into `snapshots_root/checkpoint-<step>`.
+
+    Hard links cost no time or space and survive the Trainer deleting `source`. They share
+    bytes with `source`, so the worker re-checks sizes and mtimes before trusting its hashes.
+    """
+    source = Path(source)
+    target = Path(snapshots_root) / f"checkpoint-{step}"
+    if target.exists():
+        shutil.rmtree(target)
+    stamps = {}
+    for path in sorted(source.rglob("*")):
+        if not path.is_file() or path.name == MANIFEST or storage.is_temp_name(path.name):
+            continue
+        name = path.relative_to(source).as_posix()
+        dst = target / name
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(path, dst)
+        except OSError:  # EXDEV, or a filesystem without hard links
+            shutil.copy2(path, dst)
+        stamps[name] = stamp(dst)
+    return Snapshot(step=step, path=target, fingerprint=dict(fingerprint or {}), stamps=stamps,
+                    source=source, kit_state=dict(kit_state or {}))
+
+
+def discard(snap: Snapshot) -> None:
+    shutil.rmtree(snap.path, ignore_errors=True)
+
+
+class SnapshotChanged(Exception):
+    """A file of a snapshot changed after it was taken (overwritten in place)."""
+
+
+def snapshot_manifest(snap: Snapshot) -> Manifest:
+    """Hash the snapshot into its manifest, checking first that no file changed since it was taken.
+
+    Raises:
+        SnapshotChanged: a file's size or mtime differs from the stamp taken with the snapshot.
+    """
+    files = hash_folder(snap.path)
+    for name, (size, mtime) in snap.stamps.items():
+        if name not in files or stamp(snap.path / name) != (size, mtime):
+            raise SnapshotChanged(f"{name} of checkpoint-{snap.step} changed after it was saved")
+    manifest = Manifest(step=snap.step, files=files, fingerprint=snap.fingerprint,
+                        created=snap.taken, kit_state=snap.kit_state)
+    # A manifest beside the local checkpoint lets a restart on the same VM resume from it.
+    # Same sizes and mtimes as the snapshot mean the same bytes (hard links share the
+    # inode; copy2 keeps the mtime), so the hashes carry over without reading again.
+    if snap.source is not None:
+        try:
+            if all(stamp(snap.source / n) == s for n, s in snap.stamps.items()):
+                write_manifest(snap.source, manifest)
+        except OSError as exc:  # the Trainer may have pruned it already
+            log.debug("no local manifest for %s: %s", snap.source, exc)
+    return manifest

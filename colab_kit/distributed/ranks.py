@@ -1,0 +1,238 @@
+"""Several processes, one run (torchrun, `accelerate launch`, `notebook_launcher`): who does what.
+
+Every rank-dependent decision of the kit lives here. Global rank 0 is the run's one writer: the
+lease and its heartbeat, the mirror and its pruning, the journal, `gauges.html`,
+`micro_batch.json` and `final/`. The other ranks follow: no lease, no uploader, no output of
+their own. On every node local rank 0 fetches the checkpoint to resume from into that node's
+local folder; rank 0's choice of step is broadcast and every rank checks that it can read it.
+
+The ranks come from the environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE: torchrun,
+`accelerate launch` and `notebook_launcher` set them), because `start_run` usually runs before
+the Trainer has created the process group. Collectives are used only once it exists; without
+it every helper here is the single-process answer, so the kit's code calls them unconditionally.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["Ranks", "detect", "group", "barrier", "from_writer", "broadcast_object", "all_agree", "sum_over_ranks",
+           "agree_micro_batch", "gather_rank_files", "rank_files_missing", "reduce_gradients", "unwrap_ddp"]
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This process's place among the processes of one launch."""
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+
+    @property
+    def writer(self) -> bool:
+        """Global rank 0: the only process that writes to the persistent folder."""
+        return self.rank == 0
+
+    @property
+    def node_leader(self) -> bool:
+        """Local rank 0: fetches the checkpoint to resume from for its node."""
+        return self.local_rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    def describe(self) -> str:
+        if not self.distributed:
+            return "1 process"
+        nodes = max(1, self.world_size // max(1, self.local_world_size))
+        where = f" on {nodes} nodes" if nodes > 1 else ""
+        return (f"{self.world_size} processes{where}; this is rank {self.rank}"
+                + (", the one that writes to the persistent folder" if self.writer else ", a follower"))
+
+
+def _int(environ, name: str, default: int) -> int:
+    value = environ.get(name)
+    if value in (None, ""):
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r} in the environment is not a whole number; it is set by the "
+                         f"launcher (torchrun, accelerate launch, notebook_launcher), so unset it or fix it") from None
+
+
+def detect(environ=None) -> Ranks:
+    """This process's ranks, from the launcher's environment variables (1 process when unset)."""
+    environ = os.environ if environ is None else environ
+    world = _int(environ, "WORLD_SIZE", 1)
+    rank = _int(environ, "RANK", 0)
+    local_rank = _int(environ, "LOCAL_RANK", rank if world > 1 else 0)
+    local_world = _int(environ, "LOCAL_WORLD_SIZE", world)
+    if world < 1 or not 0 <= rank < world or not 0 <= local_rank < max(local_world, 1):
+        raise ValueError(f"inconsistent launcher environment: RANK={rank}, LOCAL_RANK={local_rank}, "
+                         f"WORLD_SIZE={world}, LOCAL_WORLD_SIZE={local_world}")
+    return Ranks(rank, local_rank, world, local_world)
+
+
+# -- collectives (single-process answers without a process group) --------------------------------
+
+def group():
+    """`torch.distributed` when its default process group exists with more than one rank, else None."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
+        return None
+    return dist
+
+
+def _device(dist):
+    import torch
+
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def barrier() -> None:
+    dist = group()
+    if dist is not None:
+        dist.barrier()
+
+
+def from_writer(value: bool) -> bool:
+    """Rank 0's `value` on every rank (one small broadcast): a decision only rank 0 can make."""
+    dist = group()
+    if dist is None:
+        return value
+    import torch
+
+    flag = torch.tensor([int(bool(value))], device=_device(dist))
+    dist.broadcast(flag, src=0)
+    return bool(flag.item())
+
+
+def broadcast_object(obj):
+    """Rank 0's `obj` (picklable) on every rank."""
+    dist = group()
+    if dist is None:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def sum_over_ranks(values: list[float]) -> list[float]:
+    """Element-wise sums of `values` over every rank (float64); `values` itself with one process."""
+    dist = group()
+    if dist is None:
+        return list(values)
+    import torch
+
+    summed = torch.tensor(values, dtype=torch.float64, device=_device(dist))
+    dist.all_reduce(summed)
+    return summed.tolist()
+
+
+def all_agree(ok: bool) -> list[int]:
+    """The ranks for which `ok` is False (every rank learns them); [] when all are fine."""
+    dist = group()
+    if dist is None:
+        return [] if ok else [0]
+    import torch
+
+    flags = torch.zeros(dist.get_world_size(), dtype=torch.int64, device=_device(dist))
+    flags[dist.get_rank()] = 0 if ok else 1
+    dist.all_reduce(flags)
+    return [r for r, bad in enumerate(flags.tolist()) if bad]
+
+
+def agree_micro_batch(micro: int, failed: bool) -> tuple[int, list[int]]:
+    """Every rank adopts the smallest micro-batch and learns which ranks ran out of memory, so that
+    all of them retry a step together and no rank waits in a collective the others never reach."""
+    dist = group()
+    if dist is None:
+        return micro, [0] if failed else []
+    import torch
+
+    values = torch.zeros(dist.get_world_size() + 1, dtype=torch.int64, device=_device(dist))
+    values[0] = -micro
+    values[1 + dist.get_rank()] = int(failed)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return int(-values[0]), [r for r, bad in enumerate(values[1:].tolist()) if bad]
+
+
+def gather_rank_files(folder: Path, names: list[str]) -> int:
+    """Copy each rank's `names` (small files, such as its RNG state) into rank 0's `folder`, where rank 0
+    cannot see them (another node's local disk). Collective; returns how many files rank 0 wrote."""
+    dist = group()
+    if dist is None:
+        return 0
+    mine = {}
+    for name in names:
+        path = Path(folder) / name
+        if path.is_file():
+            mine[name] = path.read_bytes()
+    gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(mine, gathered, dst=0)
+    written = 0
+    if dist.get_rank() == 0:
+        for files in gathered[1:]:
+            for name, data in (files or {}).items():
+                target = Path(folder) / name
+                if not target.exists():
+                    target.write_bytes(data)
+                    written += 1
+    return written
+
+
+def rank_files_missing(folder: Path, world_size: int) -> list[str]:
+    """The per-rank RNG files (`rng_state_<r>.pth`, written by the Trainer) missing from a checkpoint."""
+    if world_size < 2:
+        return []
+    return [f"rng_state_{r}.pth" for r in range(world_size) if not (Path(folder) / f"rng_state_{r}.pth").is_file()]
+
+
+# -- gradients ---------------------------------------------------------------------------------
+
+def unwrap_ddp(model):
+    """The module inside DistributedDataParallel (its forward and backward run no collective), or None."""
+    torch = sys.modules.get("torch")
+    ddp = getattr(getattr(getattr(torch, "nn", None), "parallel", None), "DistributedDataParallel", None)
+    return model.module if ddp is not None and isinstance(model, ddp) else None
+
+
+def reduce_gradients(module) -> None:
+    """Average the gradients of `module`'s parameters across ranks, as DDP's backward would have.
+
+    A parameter with a gradient on some ranks only gets zeros on the others (DDP's handling of
+    unused parameters); one with no gradient anywhere keeps None. Gradients are flattened per
+    dtype and device so that a step costs a few collectives, not one per tensor.
+    """
+    dist = group()
+    if dist is None:
+        return
+    import torch
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    params = [p for p in module.parameters() if p.requires_grad]
+    device = _device(dist)
+    has = torch.tensor([int(p.grad is not None) for p in params], dtype=torch.int64, device=device)
+    dist.all_reduce(has, op=dist.ReduceOp.MAX)
+    for p, anywhere in zip(params, has.tolist()):
+        if anywhere and p.grad is None:
+            p.grad = torch.zeros_like(p)
+    buckets: dict = {}
+    for p in params:
+        if p.grad is not None:
+            buckets.setdefault((p.grad.dtype, p.grad.device), []).append(p.grad)
+    world = dist.get_world_size()
+    for grads in buckets.values():
+        flat = _flatten_dense_tensors(grads)
+        dist.all_reduce(flat)
+        flat /= world
+        for grad, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+            grad.copy_(reduced)

@@ -1,0 +1,237 @@
+"""One writer per run: a lease file in the run folder with host, pid and a heartbeat.
+
+Two runtimes writing the same run folder (two browser tabs, or a reconnect while the old
+runtime is still alive) would interleave checkpoints and prune each other's files. The
+lease makes the second one stop with a clear message. A lease is *stale*, and taken over at
+once, when its process is gone on this host or its heartbeat is older than a few intervals.
+
+After a disconnect Colab gives the user a *new* VM (another host name) within a minute or two,
+while the dead VM's lease still looks fresh. A live lease of another host is therefore watched
+for 1.5 of its heartbeat intervals: a heartbeat that does not advance belongs to a dead runtime
+and is taken over; one that advances is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+from .._units import format_age
+from ..checkpoints import storage
+from ..errors import LeaseHeldError
+
+__all__ = ["LEASE", "LeaseInfo", "Lease", "read_lease", "lease_staleness"]
+
+LEASE = "lease.json"
+STALE_AFTER_BEATS = 4
+WATCH_BEATS = 1.5  # how long a live lease of another host is watched before it counts as dead
+log = logging.getLogger(__name__)
+
+
+def _process_start(pid: int) -> float | None:
+    """When process `pid` on this host started, or None when it has ended.
+
+    A killed process whose parent died too stays a zombie until something reaps it, and in a
+    container without a reaping init that can be forever: a zombie holds nothing, so it
+    counts as ended.
+    """
+    try:
+        import psutil
+
+        process = psutil.Process(pid)
+        if process.status() == psutil.STATUS_ZOMBIE:
+            return None
+        return process.create_time()
+    except Exception:
+        return None
+
+
+@dataclass
+class LeaseInfo:
+    host: str
+    pid: int
+    pid_start: float | None
+    session: str
+    started: float
+    heartbeat: float
+    heartbeat_s: float
+    released: bool = False
+
+
+def read_lease(path: str | Path) -> LeaseInfo | None:
+    """The lease in `path` (a run folder or the lease file), or None when there is none."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / LEASE
+    try:
+        obj = json.loads(path.read_text())
+        return LeaseInfo(**{k: obj[k] for k in LeaseInfo.__dataclass_fields__ if k in obj})
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # a torn or foreign file cannot hold anybody out
+
+
+def lease_staleness(info: LeaseInfo, now: float | None = None) -> str | None:
+    """Why `info` no longer protects its run (a reason), or None while it is live."""
+    now = time.time() if now is None else now
+    if info.released:
+        return "it was released when its run finished"
+    if info.host == socket.gethostname():
+        start = _process_start(info.pid)
+        if start is None:
+            return f"its process {info.pid} on this host has ended"
+        if info.pid_start is not None and abs(start - info.pid_start) > 1.0:
+            return f"process {info.pid} on this host is a different process now"
+    age = now - info.heartbeat
+    if age > STALE_AFTER_BEATS * info.heartbeat_s:
+        return f"its last heartbeat was {format_age(age)} ago"
+    return None
+
+
+class Lease:
+    """This process's claim on a run folder.
+
+    Args:
+        run_dir: the run's persistent folder.
+        heartbeat_s: how often the heartbeat is renewed; readers call the lease stale after
+            `STALE_AFTER_BEATS` missed beats.
+    """
+
+    def __init__(self, run_dir: str | Path, heartbeat_s: float = 30.0):
+        self.path = Path(run_dir) / LEASE
+        self.heartbeat_s = float(heartbeat_s)
+        self.info = LeaseInfo(host=socket.gethostname(), pid=os.getpid(),
+                              pid_start=_process_start(os.getpid()), session=uuid.uuid4().hex,
+                              started=time.time(), heartbeat=time.time(), heartbeat_s=self.heartbeat_s)
+        self.lost = False
+        self.took_over_because: str | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def acquire(self, takeover: bool = False, run_name: str = "NAME",
+                on_watch: Callable[[LeaseInfo, float], None] | None = None) -> LeaseInfo | None:
+        """Claim the folder; returns the lease that was replaced, if any.
+
+        A live lease of another host is watched first (see the module's docstring); `on_watch`
+        is called about once a second with that lease and the seconds left, for a countdown.
+        `self.took_over_because` then says why it was taken over.
+
+        Raises:
+            LeaseHeldError: a live lease from another process, unless `takeover`.
+        """
+        self.took_over_because = None
+        previous = read_lease(self.path)
+        if previous is not None and previous.session != self.info.session and not takeover:
+            same_process = previous.host == self.info.host and previous.pid == self.info.pid
+            if not same_process and lease_staleness(previous) is None:
+                if previous.host == self.info.host or not self._dead_while_watched(previous, on_watch):
+                    raise self._held(previous, run_name)
+        self._write()
+        # Drive has no exclusive create: read back so that of two simultaneous starters at
+        # most one believes it holds the lease.
+        confirmed = read_lease(self.path)
+        if confirmed is None or confirmed.session != self.info.session:
+            raise LeaseHeldError(f"another runtime claimed {self.path.parent} at the same moment; "
+                                 f"run ck.start_run({run_name!r}) again in a minute")
+        # A lease released at a clean finish was not taken over from anyone.
+        taken = previous is not None and previous.session != self.info.session and not previous.released
+        return previous if taken else None
+
+    def _dead_while_watched(self, previous: LeaseInfo, on_watch) -> bool:
+        """Watch `previous` for WATCH_BEATS heartbeats: True when its heartbeat did not advance."""
+        window = WATCH_BEATS * previous.heartbeat_s
+        deadline = time.monotonic() + window
+        while (left := deadline - time.monotonic()) > 0:
+            if on_watch is not None:
+                on_watch(previous, left)
+            time.sleep(min(1.0, left, previous.heartbeat_s / 10))
+            current = read_lease(self.path)
+            if current is None or current.released:
+                self.took_over_because = "it was released while this runtime watched it"
+                return True
+            if current.session != previous.session or current.heartbeat != previous.heartbeat:
+                return False  # alive (or a third runtime claimed it)
+        self.took_over_because = f"its heartbeat did not advance in {format_age(window)}"
+        return True
+
+    def _held(self, previous: LeaseInfo, run_name: str) -> LeaseHeldError:
+        age = format_age(time.time() - previous.heartbeat)
+        if previous.host == self.info.host:
+            wait = format_age(STALE_AFTER_BEATS * previous.heartbeat_s - (time.time() - previous.heartbeat))
+            how = f"Stop the other runtime, or wait {wait} for its lease to go stale"
+        else:
+            how = ("Its heartbeat advanced while this runtime watched it, so it is alive. Stop it "
+                   "(in its tab: Runtime -> Disconnect and delete runtime)")
+        return LeaseHeldError(
+            f"run folder {self.path.parent} is in use by another runtime (host {previous.host}, "
+            f"pid {previous.pid}, last heartbeat {age} ago). Two writers would overwrite each "
+            f"other's checkpoints. {how}, or take over now: ck.start_run({run_name!r}, takeover=True)")
+
+    def _write(self) -> None:
+        self.info.heartbeat = time.time()
+        storage.atomic_write_json(self.path, asdict(self.info))
+
+    def beat(self) -> bool:
+        """Renew the heartbeat; False (and `lost`) when another runtime took the lease."""
+        if self.lost:
+            return False
+        current = read_lease(self.path)
+        if current is not None and current.session != self.info.session:
+            self.lost = True
+            return False
+        self._write()
+        return True
+
+    def start_heartbeat(self, on_lost: Callable[[LeaseInfo | None], None],
+                        on_error: Callable[[OSError], None] | None = None) -> None:
+        """Renew the lease every `heartbeat_s` seconds in a daemon thread."""
+
+        def loop():
+            while not self._stop.wait(self.heartbeat_s):
+                try:
+                    if not self.beat():
+                        on_lost(read_lease(self.path))
+                        return
+                except OSError as exc:  # Drive trouble: keep trying, the mirror reports it
+                    log.debug("lease heartbeat failed: %s", exc)
+                    if on_error:
+                        on_error(exc)
+
+        self._thread = threading.Thread(target=loop, name="colab_kit-lease", daemon=True)
+        self._thread.start()
+
+    def still_ours(self) -> bool:
+        """True while the lease file is this process's (released or not): nobody else writes the folder."""
+        try:
+            current = read_lease(self.path)
+        except OSError:
+            return False
+        return current is not None and current.session == self.info.session
+
+    def release(self) -> None:
+        """Stop the heartbeat and mark the lease released if it is still ours.
+
+        The file stays (marked released) rather than being deleted, so that a runtime this one
+        took the folder from still sees, at its next heartbeat, that it no longer owns it.
+        """
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        if self.lost:
+            return
+        try:
+            current = read_lease(self.path)
+            if current is not None and current.session == self.info.session:
+                self.info.released = True
+                self._write()
+        except OSError as exc:
+            log.warning("could not release the lease %s: %s (it goes stale by itself)", self.path, exc)

@@ -1,0 +1,201 @@
+"""HF Trainer callbacks: when to save (time- or step-based), and mirroring each save to Drive.
+
+Both are thin: the Trainer keeps doing its own checkpointing into `output_dir` (local disk);
+these callbacks decide *when* and hand every checkpoint to the run's background uploader.
+A time-based interval stretches while Drive absorbs checkpoints more slowly than they are made,
+so that the newest one can be in the cloud before the next is due.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+from transformers import TrainerCallback
+
+from .._units import format_age, format_bytes
+from ..checkpoints.checkpoint import checkpoint_dir
+from ..checkpoints.snapshot import SNAPSHOTS, take_snapshot
+from ..distributed import ranks
+from .best import restore_best, step_of
+
+__all__ = ["SaveScheduleCallback", "DriveSyncCallback", "GaugesCallback"]
+
+log = logging.getLogger(__name__)
+STRETCH = 1.25  # a stretched interval leaves this much room over the expected upload time
+
+
+class SaveScheduleCallback(TrainerCallback):
+    """Sets `control.should_save` every `save_every` (training time or steps) and at the last step.
+
+    The clock counts training time only and is restored from the checkpoint, so "every 10min"
+    keeps meaning 10 minutes of training across a resume (Composer's time-based intervals).
+    """
+
+    def __init__(self, run):
+        self.run = run
+        self._last_save_seconds = 0.0
+        self._last_saved_step: int | None = None
+        self._journaled_interval: float | None = None
+        self._told = False
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.run.clock.start()
+        self._last_save_seconds = self.run.clock.seconds
+        self._last_saved_step = state.global_step if self.run.resume_from is not None else None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.run.poll()
+        step = state.global_step
+        due = bool(self.run.save_every_steps and step % self.run.save_every_steps == 0)
+        if self.run.save_every_s is not None:
+            # Each rank's clock differs: rank 0 decides, every rank saves (the Trainer's save is collective).
+            due |= ranks.from_writer(self.run.clock.seconds - self._last_save_seconds >= self.interval())
+        due |= bool(state.max_steps) and step >= state.max_steps  # the final state is always kept
+        if due and step != self._last_saved_step:
+            control.should_save = True
+        return control
+
+    def interval(self) -> float:
+        """The time-based interval in force: `save_every`, or longer while uploads are slower."""
+        asked = self.run.save_every_s
+        if self.run.mirror.prune_after == "written":  # the behaviour before 0.2, for comparisons
+            return asked
+        tracker = self.run.mirror.tracker
+        expected = tracker.expected_upload_s(tracker.last_bytes)
+        interval = max(asked, STRETCH * expected) if expected else asked
+        self.run.save_interval_s = interval
+        last = self._journaled_interval
+        if (last is None and interval > asked) or (last is not None and abs(interval - last) > 0.25 * last):
+            self._announce(interval, expected, stretched=interval > asked)
+        return interval
+
+    def _announce(self, interval: float, expected: float, *, stretched: bool) -> None:
+        self._journaled_interval = interval
+        self._journal_interval(interval, expected, asked_s=self.run.save_every_s)
+        if stretched and not self._told:
+            self._told = True
+            self.run.notices.add(f"{self._drive_speed(expected)}; saving every {format_age(interval)} instead "
+                                 f"of every {format_age(self.run.save_every_s)}, so that each checkpoint can "
+                                 f"reach the cloud before the next one")
+
+    def _journal_interval(self, interval: float, expected: float, **asked) -> None:
+        tracker = self.run.mirror.tracker
+        self.run.journal.write("warn", what="save_interval", interval_s=round(interval, 1), **asked,
+                               expected_upload_s=round(expected, 1), rate_bps=round(tracker.rate_bps or 0),
+                               checkpoint_bytes=tracker.last_bytes)
+
+    def _drive_speed(self, expected: float) -> str:
+        tracker = self.run.mirror.tracker
+        return (f"Drive uploads ~{format_bytes(tracker.rate_bps)}/s; a {format_bytes(tracker.last_bytes)} "
+                f"checkpoint needs ~{format_age(expected)}")
+
+    def on_save(self, args, state, control, **kwargs):
+        since = self.run.clock.seconds - self._last_save_seconds
+        if self.run.save_every_steps and self._last_saved_step is not None and not self._told:
+            # A step-based interval is kept as given; say so once when Drive cannot keep up.
+            tracker = self.run.mirror.tracker
+            expected = tracker.expected_upload_s(tracker.last_bytes)
+            if expected and expected > since > 0:
+                self._told = True
+                self._journal_interval(since, expected, asked_steps=self.run.save_every_steps)
+                self.run.notices.add(
+                    f"{self._drive_speed(expected)}, but saves come every {format_age(since)} "
+                    f"({self.run.save_every_steps} steps): newer checkpoints replace ones still waiting "
+                    f"for Drive. A duration such as save_every=\"{max(1, round(STRETCH * expected / 60))}min\" "
+                    f"stretches by itself")
+        self._last_save_seconds = self.run.clock.seconds
+        self._last_saved_step = state.global_step
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.run.clock.stop()
+
+
+class DriveSyncCallback(TrainerCallback):
+    """After each Trainer save: record the kit's state, snapshot the folder, queue the upload."""
+
+    def __init__(self, run):
+        self.run = run
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if model is not None and self.run.fingerprint is None:  # used without run.train()
+            self.run.check_compatible(model, args)
+        restore_best(self.run.resume_best, args, state)
+
+    def on_save(self, args, state, control, **kwargs):
+        started = time.perf_counter()
+        step = state.global_step
+        folder = checkpoint_dir(Path(args.output_dir), step)
+        world = max(1, int(getattr(args, "world_size", 1) or 1))  # the Trainer's: one file per rank it trains on
+        per_rank = world > 1 and not getattr(args, "save_only_model", False)  # rng_state_<r>.pth files expected
+        # Every rank has written its files when it gets here; this also waits for all of them (a
+        # barrier before the snapshot) and brings each rank's RNG state to rank 0 across nodes.
+        ranks.gather_rank_files(folder, [f"rng_state_{getattr(args, 'process_index', 0)}.pth"] if per_rank else [])
+        if not (state.is_world_process_zero and self.run.ranks.writer):
+            return
+        # Set before the upload is queued: a queued best checkpoint is never superseded.
+        self.run.mirror.best_step = step_of(state.best_model_checkpoint)
+        if not folder.is_dir():
+            self.run.notices.add(f"the Trainer reported a save at step {step} but {folder} does not exist")
+            return
+        missing = ranks.rank_files_missing(folder, world) if per_rank else []
+        if missing:  # a resume from it could not be exact: not published
+            self.run.notices.add(f"checkpoint-{step} lacks {', '.join(missing)} (the RNG state of those ranks), so it "
+                                 f"is not uploaded; the next checkpoint will be")
+            self.run.journal.write("warn", what="rank_files_missing", step=step, missing=missing)
+            return
+        kit_state = {"step": step, "train_seconds": round(self.run.clock.seconds, 3), "time": time.time()}
+        snapshot = take_snapshot(folder, self.run.local_dir / SNAPSHOTS, step, self.run.fingerprint, kit_state)
+        self.run.mirror.submit(snapshot)
+        self.run.last_saved_step = step
+        pause = time.perf_counter() - started
+        self.run.journal.write("save", step=step, local=str(folder), snapshot_s=round(pause, 4))
+        self.run.poll()
+
+
+class GaugesCallback(TrainerCallback):
+    """Live gauges while the Trainer runs; updated from the training loop, closed at the end."""
+
+    def __init__(self, run):
+        self.run = run
+        self.gauges = None
+
+    def _status(self) -> dict:
+        run = self.run
+        batching = run.micro_batching
+        backoffs = len(batching.train.backoffs) + len(batching.eval.backoffs) if batching is not None else 0
+        return {"saved_step": run.last_saved_step, "cloud": run.mirror.tracker.describe(),
+                "oom_backoffs": backoffs, "micro_batch": batching.train.micro_batch if batching else None}
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        from ..gauges.gauges import Gauges
+
+        if self.gauges is not None and not self.gauges.closed:
+            return
+        run = self.run
+
+        def warn(message):  # from the sampler thread: journal it; the gauges show it
+            run.journal.write("warn", what="memory", message=message)
+
+        self.gauges = Gauges(total_steps=state.max_steps or None, title=f"run {run.name!r}",
+                             local_dir=run.local_dir, drive_dir=run.drive_dir,
+                             save_html=run.drive_dir / "gauges.html", on_warn=warn,
+                             all_gpus=run.ranks.local_world_size > 1)
+        self.gauges.update(step=state.global_step, **self._status())
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.gauges is not None:
+            self.gauges.update(step=state.global_step, **self._status())
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if self.gauges is not None and logs and "loss" in logs:
+            self.gauges.update(step=state.global_step, loss=logs["loss"])
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.close()
+
+    def close(self, error: str | None = None) -> None:
+        if self.gauges is not None and not self.gauges.closed:
+            self.gauges.update(**self._status())
+            self.gauges.close(error=error)

@@ -1,0 +1,129 @@
+"""The end of a run: wait until what was written is in the cloud, say plainly what is not, let go.
+
+`run.finish()` waits (with a countdown) for the last checkpoint and `final/`, records the finish,
+stops the uploader and releases the lease. `run.train` ends the same way without waiting for the
+cloud, so that evaluation cells are not held up; the notebook's last `run.finish()` waits.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from .._units import format_age, format_bytes
+from ..drive.drivefs import PLAIN, UNCONFIRMED
+from ..drive.mount import flush_hint
+from .registry import unregister
+
+__all__ = ["finish_run", "report", "flush_drive"]
+
+
+def finish_run(run, timeout: float | None, status: str, *, flush: bool = False, cloud_wait: bool = True) -> dict:
+    """The body of `Run.finish` (see its docstring); `cloud_wait=False` at the end of `run.train`."""
+    if os.getpid() != run._pid:  # a forked copy: the uploader and the lease belong to the original
+        print(f"colab_kit: run {run.name!r} belongs to process {run._pid}; nothing to finish in this forked "
+              f"copy (call ck.start_run inside the function given to notebook_launcher)", file=sys.stderr)
+        return {"status": "not this process", "synced": False, "in_cloud": False}
+    if not run.ranks.writer:  # a follower: rank 0 writes, waits and reports
+        run.clock.stop()
+        if not run._finished:
+            run._finished = True
+            run._summary = run.status() | {"status": status, "synced": None, "in_cloud": None}  # rank 0 knows
+        return dict(run._summary)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    if run._finished:  # again: wait for what is still on its way to the cloud
+        in_cloud = run.mirror.tracker.wait(deadline)
+        if in_cloud and run.lease.still_ours():  # what reached the cloud since allows pruning
+            run.mirror.prune_now(deadline if deadline is not None else time.monotonic() + 60)
+        summary = run.status() | {k: run._summary[k] for k in ("status", "synced")} | {"in_cloud": in_cloud}
+        report(run, summary, again=True)
+        if flush:
+            flush_drive(run)
+        return summary
+    run.clock.stop()
+    run._close_gauges(error=None if status in ("finished", "completed") else status)
+    run.poll()
+    drained = run.mirror.drain(timeout)
+    if not drained and not run.mirror.paused:  # paused: another runtime owns the folder now
+        summary = run.status() | {"status": status, "synced": False, "in_cloud": False}
+        run.notices.add(
+            f"NOT YET ON DRIVE: checkpoint(s) {run.mirror.pending_steps} are only on local disk "
+            f"({run.mirror.unsynced_reason or 'upload still running'}). Keep this runtime "
+            f"connected and call run.finish() again to keep waiting.")
+        run.journal.write("warn", what="finish_unsynced", **summary)
+        run.notices.show()
+        return summary
+    if cloud_wait and not run.mirror.paused:
+        in_cloud = run.mirror.tracker.wait(deadline)
+    else:
+        run.mirror.tracker.poll(force=True)
+        in_cloud = run.mirror.tracker.all_in_cloud()
+    summary = run.status() | {"status": status, "synced": drained, "in_cloud": in_cloud}
+    if cloud_wait and not in_cloud and run.mirror.tracker.pending():
+        run.journal.write("warn", what="not_in_cloud", pending=summary["pending"],
+                          pending_bytes=summary["pending_bytes"], durability=run.durability)
+    run.journal.write("finish", **summary)
+    run.journal.flush()
+    run.mirror.finish_deletions(max(1.0, deadline - time.monotonic()) if deadline is not None else 60.0)
+    run.mirror.close()
+    run.lease.release()
+    run._finished = True
+    run._summary = summary
+    unregister(run)
+    run.notices.show()
+    report(run, summary, waited=cloud_wait)
+    if summary.get("oom"):
+        print(f"colab_kit: {summary['oom']}.")
+    if flush:
+        flush_drive(run)
+    return dict(summary)
+
+def report(run, summary: dict, *, waited: bool = True, again: bool = False) -> None:
+    """The one status line of finish(): what is in the cloud, and plainly what is not."""
+    tracker = run.mirror.tracker
+    newest, pending = tracker.newest_in_cloud(), tracker.pending()
+    labels = tracker.pending_labels()
+    head = f"colab_kit: run {run.name!r} " + (f"is already finished ({summary['status']})" if again
+                                              else summary["status"])
+    if run.durability == PLAIN:
+        saved = f"checkpoint-{newest.step} is" if newest else "no checkpoint is"
+        print(f"{head}; {saved} saved in {run.drive_dir} (a plain folder: safe once written and read back).")
+        return
+    if run.durability == UNCONFIRMED:
+        print(f"{head}; {labels or 'nothing'} written to Google Drive in {run.drive_dir}, but whether it is "
+              f"in the cloud cannot be confirmed: DriveFS's upload attributes are missing on this mount. "
+              f"Keep the runtime connected for a while, or call run.finish(flush=True) "
+              f"(it pushes Drive's cache and unmounts Drive).")
+        return
+    where = (f"the newest checkpoint in the cloud is checkpoint-{newest.step} (saved "
+             f"{format_age(time.time() - newest.saved)} ago)") if newest else "no checkpoint is in the cloud"
+    if not pending:
+        print(f"{head}; everything is in the cloud: {where}.")
+        return
+    eta, rate = tracker.eta_s(), tracker.rate_bps
+    left = f"; ~{format_age(eta)} left at {format_bytes(rate)}/s" if eta and rate else ""
+    if not waited and not again:  # the end of run.train: the notebook's run.finish() waits
+        print(f"{head}; {where}; uploading {labels} ({format_bytes(tracker.pending_bytes)}){left}. "
+              f"run.finish() at the end waits for it.")
+        return
+    print(f"{head}. NOT YET IN THE CLOUD: {labels} ({format_bytes(tracker.pending_bytes)}) is written to "
+          f"Drive's cache on this VM only, and is lost if the runtime is recycled now{left}; {where}. "
+          f"Keep this runtime connected and call run.finish() again to wait, or "
+          f"run.finish(flush=True) to push it (this unmounts Drive).")
+    if run.on_drive:
+        print("colab_kit: " + flush_hint())
+
+
+def flush_drive(run) -> None:
+    """finish(flush=True): Colab's drive.flush_and_unmount(), said out loud (it unmounts Drive)."""
+    from ..drive.mount import flush_and_unmount
+
+    if not run.on_drive:
+        print(f"colab_kit: flush=True pushes Google Drive's cache in Colab; {run.drive_dir} is not on "
+              f"Colab's Drive mount, so there is nothing to flush.")
+        return
+    run.journal.write("flush", what="drive.flush_and_unmount")
+    flush_and_unmount()
+    print("colab_kit: Drive's cache was pushed to the cloud and Google Drive is now UNMOUNTED "
+          "(drive.flush_and_unmount()). ck.start_run(...) mounts it again.")

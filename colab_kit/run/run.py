@@ -1,0 +1,291 @@
+"""`Run`: a training run whose checkpoints survive a Colab disconnect (made by `start_run`).
+
+    run = ck.start_run("rna-bert", save_every="10min", keep=3)
+    trainer = Trainer(..., args=TrainingArguments(output_dir=run.local_dir, ...))
+    run.train(trainer)          # resumes from Drive, mirrors checkpoints
+    run.finish()                # waits until the last checkpoint and final/ are in the cloud
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+from .._notices import Notices
+from ..checkpoints.journal import Journal
+from ..distributed.ranks import Ranks
+from ..drive.drivefs import PLAIN
+from ..drive.lease import Lease, LeaseInfo
+from ..drive.mirror import Mirror
+from ..drive.mount import remount_drive
+from ..errors import ColabKitError
+from ..runtime import RuntimeInfo
+from .registry import TrainClock
+
+__all__ = ["Run"]
+
+log = logging.getLogger(__name__)
+_REMOUNT_EVERY_S = 300.0
+
+
+class Run:
+    """A training run with a persistent folder; made by `start_run`.
+
+    Attributes:
+        name: the run name (the folder name under the persistent root).
+        drive_dir: the persistent folder, `<root>/<name>/`.
+        local_dir: fast local scratch where the Trainer writes (`output_dir`).
+        resume_from: local path of the newest valid checkpoint, or None on a fresh run.
+        resume_best: local path of the Trainer's best checkpoint named in it (fetched too), or None.
+        runtime: what `start_run` detected (Colab, GPU, RAM limit).
+        ranks: this process's place among several (torchrun, accelerate, notebook_launcher):
+            rank 0 writes, the other ranks follow (`ranks.py`). Their `resume_from` is set when
+            `run.train` starts, from rank 0's choice.
+        durability: what "in the cloud" means for `drive_dir`: "drivefs" (DriveFS reports each
+            file's upload), "unconfirmed" (a Drive mount without those reports: nothing is ever
+            called in the cloud) or "plain" (a local or network folder: written is enough).
+        cloud_step, cloud_age_s: the newest checkpoint in the cloud and how long ago it was saved.
+        pending_bytes, pending_eta_s: what is written but not yet in the cloud, and the time left
+            at the measured upload rate (None while unknown).
+    """
+
+    def __init__(self, name: str, drive_dir: Path, local_dir: Path, *, on_drive: bool,
+                 save_every_s: float | None, save_every_steps: int | None, keep: int,
+                 runtime: RuntimeInfo, lease: Lease | None, journal: Journal, notices: Notices,
+                 gauges: bool = True, kind: str = PLAIN, prune_after: str = "cloud", ranks: Ranks | None = None):
+        self.name = name
+        self.drive_dir = drive_dir
+        self.local_dir = local_dir
+        self.on_drive = on_drive
+        self.save_every_s = save_every_s
+        self.save_every_steps = save_every_steps
+        self.keep = keep
+        self.runtime = runtime
+        self.ranks = ranks or Ranks()
+        self.lease = lease  # None on a follower rank
+        self.journal = journal
+        self.notices = notices
+        self.resume_from: Path | None = None
+        self.resume_manifest = None
+        self.resume_best: Path | None = None
+        self.resume_state: dict = {}
+        self.clock = TrainClock()
+        self.mirror = Mirror(drive_dir, keep=keep, journal=journal, notices=notices,
+                             on_disconnected=self._want_remount, kind=kind, prune_after=prune_after,
+                             writer=self.ranks.writer)
+        self.fingerprint: dict | None = None
+        self.show_gauges = gauges
+        self.last_saved_step: int | None = None
+        self.save_interval_s = save_every_s  # the time-based interval in force (it may stretch)
+        self.global_step: int | None = None  # where the last run.train ended
+        self.micro_batching = None  # the TrainerMicroBatching of the last run.train
+        self._callbacks: list | None = None
+        self._remount_wanted = False
+        self._last_remount = 0.0
+        self._finished = False
+        self._summary: dict | None = None
+        self._pid = os.getpid()  # a forked copy (notebook_launcher) has none of this process's threads
+
+    # -- callbacks and training ----------------------------------------------------------------
+    def callbacks(self) -> list:
+        """The kit's `transformers.TrainerCallback`s for this run (the same objects each call):
+        time/step-based saves, Drive mirroring and, unless `start_run(gauges=False)`, live gauges
+        (on rank 0 only)."""
+        if self._callbacks is None:
+            from .callbacks import DriveSyncCallback, GaugesCallback, SaveScheduleCallback
+
+            self._callbacks = [SaveScheduleCallback(self), DriveSyncCallback(self)]
+            if self.show_gauges and self.ranks.writer:
+                self._callbacks.append(GaugesCallback(self))
+        return list(self._callbacks)
+
+    def train(self, trainer, *, oom_recovery: bool = True, grow_back_after: int | None = None,
+              micro_batch: int | None = None, **train_kwargs):
+        """Resume, train with the kit's callbacks and OOM recovery, and finish; returns the TrainOutput.
+
+        Adds any of `callbacks()` the trainer lacks (no duplicates), resumes from
+        `resume_from` unless `resume_from_checkpoint` is given, runs each optimizer step's
+        effective batch as micro-batches that halve on out-of-memory (same effective batch,
+        schedule and data order), and finishes the run at the end, also when training fails:
+        the last checkpoint is written to the persistent folder; waiting for it to reach the
+        cloud is left to the notebook's final `run.finish()`, so evaluation is not held up.
+
+        Args:
+            trainer: a `transformers.Trainer` whose `output_dir` is `run.local_dir`.
+            oom_recovery: False runs the Trainer's own training step unchanged.
+            grow_back_after: after this many clean steps, cautiously try a micro-batch twice
+                as large again (off by default).
+            micro_batch: start with micro-batches of this many rows instead of the whole
+                effective batch (it still halves on out-of-memory). The rows of each batch are
+                ordered by length first and every micro-batch is cut to its longest row, so
+                this also trims padding: on a CPU, with lengths as varied as nRC's, micro-batches
+                of 8 make a step about 1.4x faster.
+            **train_kwargs: passed to `trainer.train`.
+        """
+        from .training import train
+
+        self._require_open("train")
+        return train(self, trainer, oom_recovery=oom_recovery, grow_back_after=grow_back_after,
+                     micro_batch=micro_batch, **train_kwargs)
+
+    def check_compatible(self, model, args) -> None:
+        """Stop before training when the checkpoint to resume from cannot fit this model and these
+        arguments (different tensor shapes or effective batch), with the call that starts fresh.
+
+        Raises:
+            ResumeMismatchError: what changed, and `ck.start_run(name, resume=False)`.
+        """
+        from .training import check_compatible
+
+        check_compatible(self, model, args)
+
+    def save_final(self, model, tokenizer=None, metrics: dict | None = None, retries: int = 3) -> Path:
+        """Export the trained model to `<drive_dir>/final/`: safetensors, config, tokenizer, metrics
+        (the metrics also go to `<drive_dir>/metrics.json`).
+
+        Written to local disk first, then copied to the persistent folder with every file read
+        back and verified, MANIFEST.json last. Works after `finish()` too.
+
+        Returns:
+            The `final/` folder on the persistent folder.
+
+        Raises:
+            DriveError: the copy kept failing; the export stays on local disk (the message says where).
+        """
+        from .final import save_final
+
+        return save_final(self, model, tokenizer, metrics, retries)
+
+    def checkpoint_store(self):
+        """A `CheckpointStore` for plain PyTorch loops that shares this run's folder and uploader.
+
+        One process only: under several processes, the ranks of a plain loop would each save and
+        restore on their own, so this is refused on the followers (rank 0 may use it)."""
+        from .store import CheckpointStore
+
+        self._require_own_process("open a checkpoint store")
+        if not self.ranks.writer:
+            raise ColabKitError(f"run.checkpoint_store() is for one process, and this is rank {self.ranks.rank} of "
+                                f"{self.ranks.world_size}: use the HF Trainer with run.train, which saves and resumes "
+                                f"every rank together, or save from rank 0 only and broadcast what it restores")
+
+        return CheckpointStore(self.drive_dir, keep=self.keep, local_dir=self.local_dir,
+                               _journal=self.journal, _notices=self.notices, _mirror=self.mirror)
+
+    # -- main-thread housekeeping, called from the callbacks --------------------------------------
+    def _want_remount(self) -> None:
+        self._remount_wanted = True
+
+    def poll(self) -> None:
+        """Show queued warnings and remount Drive if the uploader asked (main thread only)."""
+        self.notices.show()
+        if self._remount_wanted and self.on_drive and time.monotonic() - self._last_remount > _REMOUNT_EVERY_S:
+            self._remount_wanted = False
+            self._last_remount = time.monotonic()
+            try:
+                remount_drive()
+                self.journal.write("warn", what="remounted_drive")
+            except Exception as exc:  # remounting is best effort; the uploader keeps retrying
+                self.notices.add(f"remounting Google Drive failed: {exc}")
+
+    def _lease_lost(self, holder: LeaseInfo | None) -> None:
+        who = f"host {holder.host}, pid {holder.pid}" if holder else "another runtime"
+        reason = f"another runtime ({who}) took over {self.drive_dir}; this one stopped syncing"
+        self.mirror.pause(reason)
+        self.notices.add(reason + ". Checkpoints from now on stay local to this runtime.")
+        self.journal.write("warn", what="lease_lost", holder=who)
+
+    # -- the cloud -----------------------------------------------------------------------------
+    @property
+    def durability(self) -> str:
+        return self.mirror.kind
+
+    @property
+    def cloud_step(self) -> int | None:
+        return self.mirror.tracker.summary()["cloud_step"]
+
+    @property
+    def cloud_age_s(self) -> float | None:
+        return self.mirror.tracker.summary()["cloud_age_s"]
+
+    @property
+    def pending_bytes(self) -> int:
+        return self.mirror.tracker.pending_bytes
+
+    @property
+    def pending_eta_s(self) -> float | None:
+        return self.mirror.tracker.eta_s()
+
+    # -- end -----------------------------------------------------------------------------------
+    def status(self) -> dict:
+        """Where the run stands: steps saved, written and in the cloud, what is pending, failures."""
+        oom = self.micro_batching.summary() if self.micro_batching is not None else None
+        return {
+            "oom": oom,
+            "name": self.name,
+            "drive_dir": str(self.drive_dir),
+            "saved_step": self.last_saved_step,
+            "written_step": self.mirror.written_step,
+            "unwritten_steps": self.mirror.pending_steps,
+            **self.mirror.tracker.summary(),
+            "sync_failures": self.mirror.total_failures,
+            "unsynced_reason": self.mirror.unsynced_reason,
+            "train_seconds": round(self.clock.seconds, 1),
+        }
+
+    def _close_gauges(self, error: str | None = None) -> None:
+        from .callbacks import GaugesCallback
+
+        for cb in self._callbacks or []:
+            if isinstance(cb, GaugesCallback):
+                cb.close(error=error)
+
+    def finish(self, timeout: float | None = 300, status: str = "finished", flush: bool = False) -> dict:
+        """Wait until the last checkpoint and `final/` are in the cloud, then release the run folder.
+
+        Waits up to `timeout` seconds in all, with a countdown: first for checkpoints still being
+        written to the persistent folder, then for Drive to upload them. When the writing cannot
+        finish (Drive down) the run stays open: call `finish()` again to keep waiting. When what is
+        written is not in the cloud by then, the run still finishes (the upload is Drive's to do)
+        and says plainly what is not in the cloud; calling `finish()` again waits for it again.
+
+        Args:
+            timeout: seconds to wait in all (None: no limit).
+            status: recorded in the `finish` event.
+            flush: afterwards call Colab's `drive.flush_and_unmount()`, which pushes Drive's cache
+                to the cloud and UNMOUNTS Drive (Colab offers no flush that keeps it mounted).
+
+        Returns:
+            `status()` plus "status", "synced" (all written) and "in_cloud" (all confirmed).
+        """
+        from .finish import finish_run
+
+        return finish_run(self, timeout, status, flush=flush, cloud_wait=True)
+
+    def _require_own_process(self, what: str) -> None:
+        if os.getpid() != self._pid:
+            raise ColabKitError(
+                f"run {self.name!r} was opened by process {self._pid} and this is process {os.getpid()}, a copy "
+                f"made by fork (notebook_launcher starts each training process that way), so it cannot {what}: "
+                f"the uploader and the lease heartbeat do not run in a copy. Call ck.start_run({self.name!r}, ...) "
+                f"inside the function you pass to notebook_launcher, so that every process opens the run itself "
+                f"(rank 0 writes, the others follow)")
+
+    def _require_open(self, what: str) -> None:
+        self._require_own_process(what)
+        if self._finished:
+            raise ColabKitError(f"run {self.name!r} is finished, so it cannot {what}; start it again "
+                                f"(it resumes from its newest checkpoint): ck.start_run({self.name!r})")
+
+    def __enter__(self) -> "Run":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.finish(status="finished" if exc_type is None else "error")
+
+    def __repr__(self) -> str:
+        return f"Run({self.name!r}, drive_dir={str(self.drive_dir)!r}, resume_from={self.resume_from})"
+
+

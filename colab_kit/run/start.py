@@ -1,0 +1,290 @@
+"""`start_run`: open (or reopen) a run folder, find what to resume from, say what was found.
+
+    run = ck.start_run("rna-bert", save_every="10min", keep=3)
+
+After a reconnect, "Runtime -> Run all" runs the same cells: `start_run` finds the newest
+checkpoint whose manifest verifies (on Drive or still on local disk), copies it to local disk,
+and `run.train` continues from it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import re
+import shutil
+import time
+import weakref
+from datetime import datetime, timezone
+from pathlib import Path
+
+from .._notices import Countdown, Notices
+from .._units import format_age, format_bytes, is_count, parse_duration
+from ..checkpoints import storage
+from ..checkpoints.checkpoint import ARCHIVE, CHECKPOINTS, KIT_STATE, Found, find_latest, list_checkpoints
+from ..checkpoints.journal import EVENTS, Journal, SilentJournal
+from ..checkpoints.snapshot import SNAPSHOTS, take_snapshot
+from ..distributed.ranks import detect as detect_ranks
+from ..drive.drivefs import describe_kind, folder_kind
+from ..drive.lease import Lease
+from ..drive.mount import resolve_root
+from ..errors import DriveError
+from ..runtime import detect_runtime, in_colab
+from .best import fetch_best, recorded_best
+from .registry import TrainClock, open_run, register
+from .run import Run
+
+__all__ = ["start_run"]
+
+log = logging.getLogger(__name__)
+_NAME_OK = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+# "cloud": prune only once a newer checkpoint is in the cloud. The tests and
+# bench/work_at_risk.py set "written" (the rule before 0.2) to show what it loses.
+_PRUNE_AFTER = "cloud"
+
+
+def _default_local_dir(name: str) -> Path:
+    # In Colab /content is the fast VM disk (wiped on disconnect); elsewhere a folder beside
+    # ./drive, so a restart on the same machine can still resume from local checkpoints.
+    return Path("/content/colab_kit_local" if in_colab() else "scratch").absolute() / name
+
+
+def _parse_save_every(save_every) -> tuple[float | None, int | None]:
+    if save_every is None:
+        return None, None
+    if isinstance(save_every, bool):
+        raise ValueError("save_every must be a duration such as \"10min\" or an int number of steps")
+    if isinstance(save_every, int):
+        if save_every < 1:
+            raise ValueError(f"save_every={save_every}: the number of steps must be at least 1")
+        return None, save_every
+    if isinstance(save_every, float):
+        raise ValueError(f"save_every={save_every}: give an int number of steps, or a duration "
+                         f"string such as \"90s\", \"10min\" or \"1h\"")
+    return parse_duration(save_every), None
+
+
+def _clean_local(local_dir: Path) -> None:
+    # Leftovers of a killed process: snapshots whose upload never finished (the checkpoints
+    # themselves are still there), half-fetched and half-staged folders.
+    shutil.rmtree(local_dir / SNAPSHOTS, ignore_errors=True)
+    for entry in local_dir.glob(".fetch-*"):
+        shutil.rmtree(entry, ignore_errors=True)
+    for entry in local_dir.glob(".staging-*"):
+        shutil.rmtree(entry, ignore_errors=True)
+
+
+def _archive_checkpoints(drive_dir: Path, local_dir: Path) -> Path | None:
+    """Move old checkpoints aside for a fresh start (nothing is deleted from Drive)."""
+    moved = None
+    if list_checkpoints(drive_dir / CHECKPOINTS):
+        stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+        moved = drive_dir / ARCHIVE / f"checkpoints-{stamp}"
+        storage.make_dirs(moved.parent)
+        os.replace(drive_dir / CHECKPOINTS, moved)
+        storage.make_dirs(drive_dir / CHECKPOINTS)
+    for _, path in list_checkpoints(local_dir):
+        shutil.rmtree(path, ignore_errors=True)
+    return moved
+
+
+def _kit_state(found: Found) -> dict:
+    if found.manifest.kit_state:
+        return dict(found.manifest.kit_state)
+    try:  # a checkpoint saved before the clock moved into the manifest
+        return json.loads((found.path / KIT_STATE).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _fetch_best(run: Run, found: Found, places, skipped) -> None:
+    """Fetch the Trainer's best checkpoint named in the resumed one, and protect it on Drive."""
+    best = recorded_best(found.path)
+    run.mirror.best_step = best
+    if best is None:
+        return
+    run.resume_best = fetch_best(best, found.path, found.step, places, run.local_dir, skipped)
+    if run.resume_best is None:
+        run.notices.add(f"the Trainer's best checkpoint so far, checkpoint-{best}, is not in {run.drive_dir} any "
+                        f"more, so load_best_model_at_end cannot return to it: the best is tracked again "
+                        f"from the checkpoints of this session")
+        run.journal.write("warn", what="best_missing", step=best)
+
+
+def start_run(name: str, *, drive: str | os.PathLike | None = None, local_dir: str | os.PathLike | None = None,
+              save_every: str | int | None = "10min", keep: int = 3, resume: bool = True,
+              takeover: bool = False, gauges: bool = True, heartbeat_s: float = 30.0, quiet: bool = False) -> Run:
+    """Open (or reopen) a run whose checkpoints survive a runtime reset.
+
+    Args:
+        name: the run's name; its folder is `<root>/<name>/`.
+        drive: the root folder playing the role of `MyDrive/colab_kit` (default: Google Drive in
+            Colab, `$COLAB_KIT_DRIVE` when set, else `./drive`).
+        local_dir: fast local scratch for the Trainer's `output_dir` (default: under /content in
+            Colab, `./scratch/<name>` elsewhere).
+        save_every: a duration of training time ("90s", "10min", "1h") or an int number of
+            optimizer steps; None leaves saving to the Trainer's own `save_steps`. A final
+            checkpoint is always saved at the last step. A duration stretches when Drive uploads
+            checkpoints more slowly than they are made (the user is told).
+        keep: checkpoints in the cloud to keep (older ones are deleted once a newer one is in the
+            cloud; at least one always remains).
+        resume: False starts fresh, moving existing checkpoints to `<drive_dir>/archive/`.
+        takeover: take the run folder over from another live runtime. A lease of another host
+            whose heartbeat stops for 1.5 intervals (a disconnected VM) is taken over without it.
+        gauges: live GPU/RAM gauges while `run.train` runs (a summary stays, and is written to
+            `<drive_dir>/gauges.html`).
+        heartbeat_s: lease heartbeat interval (a lease is stale after 4 missed beats).
+        quiet: do not print the summary.
+
+    Several processes (torchrun, `accelerate launch`, `notebook_launcher`: RANK and WORLD_SIZE
+    set): every rank calls start_run; rank 0 holds the lease, uploads, journals and prints, and
+    the others get a follower run that resumes from rank 0's checkpoint when `run.train` starts.
+
+    Returns:
+        The `Run`; `run.resume_from` is the checkpoint to continue from, or None.
+
+    Raises:
+        ValueError: bad arguments. DriveError: the persistent folder cannot be used.
+        LeaseHeldError: another live runtime is writing this run (see `takeover`).
+    """
+    if not isinstance(name, str) or not _NAME_OK.match(name):
+        raise ValueError(f"run name {name!r}: use letters, digits, '.', '_' and '-' (it becomes a "
+                         f"folder name), for example ck.start_run('rna-bert')")
+    if not is_count(keep):
+        raise ValueError(f"keep={keep!r}: keep at least 1 checkpoint on Drive")
+    save_every_s, save_every_steps = _parse_save_every(save_every)
+
+    runtime = detect_runtime()
+    root, on_drive = resolve_root(drive)
+    drive_dir = root / name
+    try:
+        storage.make_dirs(drive_dir / CHECKPOINTS)
+    except OSError as exc:
+        raise DriveError(f"cannot create the run folder {drive_dir}: {exc}. Check that the folder "
+                         f"is writable (and, on Drive, that it is not full), or pass drive='<another "
+                         f"folder>'") from exc
+    local = Path(local_dir).absolute() if local_dir is not None else _default_local_dir(name)
+    local.mkdir(parents=True, exist_ok=True)
+    ranks = detect_ranks()
+    if not ranks.writer:  # no lease, no uploader, no journal: rank 0 is the run's one writer
+        return Run(name, drive_dir, local, on_drive=on_drive, save_every_s=save_every_s,
+                   save_every_steps=save_every_steps, keep=keep, runtime=runtime, lease=None,
+                   journal=SilentJournal(), notices=Notices(silent=True), gauges=False,
+                   kind=folder_kind(drive_dir, on_drive=on_drive), prune_after=_PRUNE_AFTER, ranks=ranks)
+
+    old = open_run(drive_dir)
+    if old is not None:
+        print(f"colab_kit: closing the earlier open run {name!r} of this kernel first")
+        old.finish(timeout=120, status="restarted")
+
+    lease = Lease(drive_dir, heartbeat_s=heartbeat_s)
+    countdown = None if quiet else Countdown(every=10.0)
+
+    def watching(holder, left):
+        countdown.show(f"colab_kit: run folder {drive_dir} is held by host {holder.host} (last heartbeat "
+                       f"{format_age(time.time() - holder.heartbeat)} ago); checking that it is still "
+                       f"alive: {left:.0f} s left")
+
+    try:
+        replaced = lease.acquire(takeover=takeover, run_name=name, on_watch=watching if countdown else None)
+    except OSError as exc:
+        raise DriveError(f"cannot write the lease file in {drive_dir}: {exc}. Check that the folder is "
+                         f"writable and not full, then run this cell again") from exc
+    kind = folder_kind(drive_dir, on_drive=on_drive)
+    notices = Notices()
+    journal = Journal(drive_dir / EVENTS, local_copy=local / EVENTS)
+    _clean_local(local)
+
+    archived = None if resume else _archive_checkpoints(drive_dir, local)
+    run = Run(name, drive_dir, local, on_drive=on_drive, save_every_s=save_every_s,
+              save_every_steps=save_every_steps, keep=keep, runtime=runtime, lease=lease,
+              journal=journal, notices=notices, gauges=gauges, kind=kind, prune_after=_PRUNE_AFTER, ranks=ranks)
+
+    def skipped(path: Path, reason: str) -> None:
+        notices.add(f"skipping checkpoint {path}: {reason}")
+        journal.write("warn", what="invalid_checkpoint", path=str(path), reason=reason)
+
+    found: Found | None = None
+    places = [("drive", drive_dir / CHECKPOINTS), ("local", local)]
+    if resume:
+        found = find_latest(places, local, on_skip=skipped)
+    if found is not None:
+        _fetch_best(run, found, places, skipped)  # before adopt_existing may prune it
+    run.mirror.adopt_existing()
+    if found is not None:
+        run.resume_from, run.resume_manifest = found.path, found.manifest
+        run.resume_state = _kit_state(found)
+        run.clock = TrainClock(run.resume_state.get("train_seconds", 0.0))
+        for step, path in list_checkpoints(local):
+            if step > found.step:  # unverifiable leftovers newer than what we resume from
+                shutil.rmtree(path, ignore_errors=True)
+        if found.origin == "drive":
+            run.mirror.written_step = found.step
+        else:
+            # Found on local disk (a kernel restart on the same VM): its upload may never have
+            # finished, so queue it; the uploader skips it when Drive already has it.
+            run.mirror.submit(take_snapshot(found.path, local / SNAPSHOTS, found.step,
+                                            found.manifest.fingerprint, found.manifest.kit_state))
+
+    journal.write("start", run=name, drive_dir=str(drive_dir), local_dir=str(local),
+                  host=lease.info.host, pid=lease.info.pid, colab=runtime.colab,
+                  gpu=runtime.gpu.name if runtime.gpu else None, ram_limit=runtime.ram_limit_bytes,
+                  save_every=save_every, keep=keep, durability=kind, world_size=ranks.world_size,
+                  took_over=replaced.host if replaced else None, took_over_because=lease.took_over_because)
+    if archived is not None:
+        journal.write("archive", moved_to=str(archived))
+    if found is not None:
+        journal.write("resume", step=found.step, origin=found.origin, source=str(found.source),
+                      checkpoint_age_s=round(time.time() - found.manifest.created, 1),
+                      train_seconds=round(run.clock.seconds, 1), best=run.mirror.best_step,
+                      best_fetched=run.resume_best is not None)
+    lease.start_heartbeat(run._lease_lost)
+    register(run)
+    atexit.register(_finish_at_exit, weakref.ref(run))
+
+    if not quiet:
+        print(_summary(run, found, replaced, lease.took_over_because, archived, save_every))
+    notices.show()
+    return run
+
+
+def _summary(run: Run, found: Found | None, replaced, because: str | None, archived: Path | None,
+             save_every) -> str:
+    lines = [f"colab_kit · run {run.name!r}", *("  " + line for line in run.runtime.describe().splitlines()),
+             f"  persistent folder: {run.drive_dir}" + (" (Google Drive)" if run.on_drive else ""),
+             f"  durability: {describe_kind(run.durability)}",
+             f"  local folder: {run.local_dir}"]
+    if run.ranks.distributed:
+        lines.append(f"  processes: {run.ranks.describe()} (the others follow: no lease, uploads or output)")
+    every = f"{save_every} of training" if run.save_every_s else (
+        f"{run.save_every_steps} steps" if run.save_every_steps else "the Trainer's save_steps")
+    lines.append(f"  saves: every {every} and at the end; {run.keep} kept in the cloud")
+    if replaced is not None:
+        lines.append(f"  took over the run folder from host {replaced.host}, pid {replaced.pid}"
+                     + (f": {because}" if because else ""))
+    if archived is not None:
+        lines.append(f"  fresh start: earlier checkpoints moved to {archived}")
+    if found is not None:
+        age = format_age(time.time() - found.manifest.created)
+        lines.append(f"  resume: checkpoint-{found.step} (step {found.step}, saved {age} ago, "
+                     f"{format_bytes(found.manifest.total_bytes)}, from "
+                     f"{'Drive' if found.origin == 'drive' else 'local disk'})")
+        if run.resume_best is not None and run.mirror.best_step != found.step:
+            lines.append(f"  best so far: checkpoint-{run.mirror.best_step} (fetched too, for "
+                         f"load_best_model_at_end)")
+    else:
+        lines.append("  resume: no checkpoint found, starting fresh")
+    if run.mirror.tracker.pending() or run.cloud_step is not None:
+        lines.append(f"  checkpoints {run.mirror.tracker.describe()}")
+    return "\n".join(lines)
+
+
+def _finish_at_exit(ref: "weakref.ref[Run]") -> None:
+    run = ref()
+    if run is not None and not run._finished:
+        try:
+            run.finish(timeout=120, status="exit")
+        except Exception as exc:  # never let an exit handler raise
+            log.warning("colab_kit: finishing run at exit failed: %s", exc)

@@ -1,0 +1,130 @@
+"""What a run folder holds, for `python -m colab_kit status` and the end of `python -m colab_kit run`:
+its checkpoints (which verify, which are in the cloud, what is still uploading), its lease, its
+last events, and the metrics a notebook run was for.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+from .._units import format_age, format_bytes
+from ..checkpoints.checkpoint import CHECKPOINTS, FINAL, list_checkpoints
+from ..checkpoints.journal import EVENTS, read_events
+from ..checkpoints.manifest import read_manifest, verify_folder
+from ..drive.cloud import cloud_files
+from ..drive.drivefs import DRIVEFS, UNCONFIRMED, describe_kind, folder_kind, in_cloud
+from ..drive.lease import lease_staleness, read_lease
+
+__all__ = ["show_status", "headline"]
+
+
+_RUN_FOLDER = re.compile(r"persistent folder: (.+?)(?: \(Google Drive\))?$", re.M)
+
+
+def headline(executed: Path) -> list[str]:
+    """What the user ran the notebook for: its run's metrics.json in a few lines, the run folder
+    (the first `start_run` summary in the outputs) and the newest checkpoint; [] when none is found."""
+    try:
+        cells = json.loads(Path(executed).read_text())["cells"]
+    except (OSError, ValueError, KeyError):
+        return []
+    texts = ["".join(o.get("text", "")) + "".join(o.get("data", {}).get("text/plain", ""))
+             for c in cells for o in c.get("outputs", [])]
+    found = next((m.group(1).strip() for t in texts for m in [_RUN_FOLDER.search(t)] if m), None)
+    if found is None:
+        return []
+    run_dir = Path(found)
+    lines = []
+    try:
+        summary = json.loads((run_dir / "metrics.json").read_text())
+    except (OSError, ValueError):
+        summary = {}
+    for name, m in (summary.get("metrics") or {}).items():  # classification: accuracy, macro-F1, MCC per test set
+        if isinstance(m, dict) and "accuracy" in m:
+            lines.append(f"{name}: accuracy {m['accuracy']:.3f}, macro-F1 {m.get('macro_f1', float('nan')):.3f}, "
+                         f"MCC {m.get('mcc', float('nan')):.3f} ({m.get('n', '?')} sequences)")
+    if "perplexity_after" in summary:
+        lines.append(f"perplexity: {summary['perplexity_before']:.2f} before, {summary['perplexity_after']:.2f} after "
+                     f"training (test set: {summary.get('perplexity_test', float('nan')):.2f})")
+    newest = list_checkpoints(run_dir / CHECKPOINTS)
+    lines.append(f"run folder: {run_dir}" + (f" ({summary['steps']} steps)" if "steps" in summary else ""))
+    lines.append(f"newest checkpoint: {newest[0][1].name if newest else 'none'}; exported model: "
+                 f"{run_dir / 'final' if (run_dir / 'final').is_dir() else 'none'}")
+    return lines
+
+
+def _cloud_state(folder: Path, manifest, kind: str) -> tuple[str, int]:
+    """("in the cloud" | "uploading: ..." | ..., bytes not yet in the cloud) of a valid folder."""
+    if kind == UNCONFIRMED:
+        return "written, upload not confirmed", manifest.total_bytes
+    if kind != DRIVEFS:  # a plain folder: valid is all there is to say
+        return "", 0
+    try:
+        done, pending = in_cloud(folder, cloud_files(folder, manifest), kind)
+    except OSError as exc:
+        return f"upload state unreadable ({exc.strerror})", 0
+    return ("in the cloud", 0) if done else (f"uploading: {format_bytes(pending)} not yet in the cloud", pending)
+
+
+def show_status(run_dir: str, events: int, quick: bool) -> int:
+    root = Path(run_dir)
+    if not root.is_dir():
+        print(f"no run folder at {root} (a run folder holds checkpoints/ and events.jsonl)", file=sys.stderr)
+        return 2
+    print(f"run folder: {root.absolute()}")
+    kind = folder_kind(root)
+    print(f"durability: {describe_kind(kind)}")
+    lease = read_lease(root)
+    if lease is None:
+        print("lease: none (no runtime is writing this run)")
+    else:
+        stale = lease_staleness(lease)
+        state = f"stale: {stale}" if stale else "live"
+        print(f"lease: host {lease.host}, pid {lease.pid}, heartbeat "
+              f"{format_age(time.time() - lease.heartbeat)} ago ({state})")
+    checkpoints = list_checkpoints(root / CHECKPOINTS)
+    if (root / FINAL).is_dir():
+        checkpoints.append((None, root / FINAL))
+    print(f"checkpoints ({'sizes checked' if quick else 'sha256 verified'}):" if checkpoints
+          else "checkpoints: none")
+    newest_valid = newest_cloud = None
+    pending = 0
+    for step, path in checkpoints:
+        problem = verify_folder(path, hashes=not quick)
+        cloud = ""
+        try:
+            manifest = read_manifest(path)
+            detail = f"{format_bytes(manifest.total_bytes):>10}  saved {format_age(time.time() - manifest.created)} ago"
+            if problem is None:
+                cloud, waiting = _cloud_state(path, manifest, kind)
+                pending += waiting
+                if step is not None and newest_cloud is None and cloud == "in the cloud":
+                    newest_cloud = (step, manifest.created)
+        except ValueError:
+            detail = f"{'':>10}  {'':<16}"
+        verdict = "valid" if problem is None else f"INVALID: {problem}"
+        if problem is None and newest_valid is None and step is not None:
+            newest_valid = step
+        print(f"  {path.name:<20} {detail}  {verdict}" + (f", {cloud}" if cloud else ""))
+    if checkpoints:
+        print(f"resume would use: checkpoint-{newest_valid}" if newest_valid is not None
+              else "resume would start fresh: no checkpoint verifies")
+    journal = read_events(root / EVENTS)
+    if kind == DRIVEFS:
+        print(f"newest in the cloud: checkpoint-{newest_cloud[0]}, saved {format_age(time.time() - newest_cloud[1])} ago"
+              if newest_cloud else "newest in the cloud: none")
+        rates = [e["rate_bps"] for e in journal if e["event"] == "cloud" and e.get("rate_bps")]
+        if pending:
+            eta = f", ~{format_age(pending / rates[-1])} at the last measured {format_bytes(rates[-1])}/s" if rates else ""
+            print(f"pending upload: {format_bytes(pending)}{eta}")
+    if journal:
+        print(f"last {min(events, len(journal))} of {len(journal)} events:")
+        for event in journal[-events:]:
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(event.get("time", 0)))
+            fields = " ".join(f"{k}={v}" for k, v in event.items() if k not in ("event", "time"))
+            print(f"  {when}  {event['event']:<8} {fields[:160]}")
+    return 0

@@ -1,0 +1,206 @@
+"""`run.train`: the HF Trainer with the kit's callbacks, checks, out-of-memory recovery and finish.
+
+Before training: the kit's callbacks are added (no duplicates), the checkpoint to resume from is
+checked against this model and these arguments, and the arguments are adjusted where the kit
+needs it. During: adaptive micro-batches (`microbatch.py`). After, also on failure: `run.finish()`.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from .._notices import no_shard_bars
+from .._units import is_count
+from ..checkpoints.checkpoint import ARCHIVE
+from ..distributed.resume import agree_resume
+from ..errors import ColabKitError, ResumeMismatchError
+from ..memory.recipes import make_length_grouping_resumable
+from .best import TRAINER_STATE, early_stopped, restore_best
+
+__all__ = ["train", "trainer_fingerprint", "check_compatible", "adjust_args", "planned_max_steps"]
+
+# Fingerprint fields that make a checkpoint unusable; the others only earn a warning.
+INCOMPATIBLE = {"model": "model tensor names/shapes", "effective_batch": "effective batch size",
+                "world_size": "number of processes (each has its own data shard and RNG state)"}
+
+
+def train(run, trainer, *, oom_recovery: bool = True, grow_back_after: int | None = None,
+          micro_batch: int | None = None, **train_kwargs):
+    """The body of `Run.train` (see its docstring)."""
+    from ..memory.microbatch import TrainerMicroBatching
+    from ..memory.oom import OutOfMemoryError, is_fatal_cuda_error, is_oom_error
+    from .finish import finish_run
+
+    # Refused before anything changes: the run stays open for a corrected call.
+    if micro_batch is not None and not is_count(micro_batch):
+        raise ValueError(f"micro_batch={micro_batch!r}: give a whole number of rows >= 1, or None "
+                         f"(the whole effective batch at once)")
+    if micro_batch is not None and not oom_recovery:
+        raise ValueError("micro_batch needs the kit's training step: leave oom_recovery=True, or use "
+                         "gradient_accumulation_steps in TrainingArguments instead")
+    present = {type(cb) for cb in trainer.callback_handler.callbacks}
+    for cb in run.callbacks():
+        if type(cb) not in present:
+            trainer.add_callback(cb)
+    agree_resume(run)  # several processes: every rank resumes from rank 0's checkpoint
+    if run.ranks.distributed and int(getattr(trainer.args, "world_size", 1) or 1) == 1:
+        # Every process would train the whole model alone and write the same checkpoint files.
+        raise ColabKitError(
+            f"{run.ranks.world_size} processes were launched, but the Trainer does not share the training between "
+            f"them (TrainingArguments.parallel_mode is {getattr(trainer.args, 'parallel_mode', '?')}), so each "
+            f"would train alone and overwrite the others' checkpoints. Without a GPU, pass use_cpu=True to "
+            f"TrainingArguments; or launch a single process")
+    check_compatible(run, trainer.model, trainer.args)
+    adjust_args(run, trainer.args)
+    make_length_grouping_resumable(trainer)
+    if "resume_from_checkpoint" not in train_kwargs and run.resume_from is not None:
+        train_kwargs["resume_from_checkpoint"] = str(run.resume_from)
+    run.micro_batching = TrainerMicroBatching(run, trainer, grow_back_after=grow_back_after, micro_batch=micro_batch)
+    guard = run.micro_batching if oom_recovery and run.micro_batching.install() else None
+    status = "error"
+    try:
+        if _already_complete(run, trainer, train_kwargs.get("resume_from_checkpoint")):
+            output = _load_completed(run, trainer, Path(train_kwargs["resume_from_checkpoint"]))
+        else:
+            with no_shard_bars():
+                output = trainer.train(**train_kwargs)
+        status = "completed"
+        return output
+    except KeyboardInterrupt:
+        status = "interrupted"
+        raise
+    except Exception as exc:
+        run._close_gauges(error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}")
+        if guard is not None and guard.after_step and is_oom_error(exc) and not isinstance(exc, OutOfMemoryError):
+            run.journal.write("oom", step=trainer.state.global_step + 1, where="optimizer step",
+                              error=str(exc).splitlines()[0][:300])
+            raise OutOfMemoryError(guard.optimizer_oom_message()) from exc
+        if is_fatal_cuda_error(exc):
+            exc.add_note("colab_kit: this CUDA error breaks the CUDA context, so it cannot be retried "
+                         "in place. Restart the runtime (Runtime -> Restart session) and run all "
+                         "cells: training resumes from the last checkpoint. To find the failing "
+                         "operation, set os.environ['CUDA_LAUNCH_BLOCKING'] = '1' first.")
+        raise
+    finally:
+        run.global_step = trainer.state.global_step
+        if guard is not None:
+            guard.uninstall()
+        finish_run(run, 300, status, cloud_wait=False)  # the notebook's run.finish() waits for the cloud
+
+
+def _already_complete(run, trainer, checkpoint) -> bool:
+    # Resuming from a checkpoint at max_steps makes the Trainer run one step too many (its
+    # stop check comes after a step), and resuming after early stopping trains on (the Trainer
+    # clears should_training_stop at the start), so a finished run is recognised here instead.
+    if checkpoint is None or run.resume_manifest is None:
+        return False
+    if early_stopped(Path(checkpoint)):
+        return True
+    planned = planned_max_steps(trainer)
+    return planned is not None and run.resume_manifest.step >= planned
+
+
+def _load_completed(run, trainer, checkpoint: Path):
+    from transformers.trainer_callback import TrainerState
+    from transformers.trainer_utils import TrainOutput
+
+    trainer._load_from_checkpoint(str(checkpoint))  # the Trainer's own loader (sharded, PEFT, ...)
+    trainer.state = TrainerState.load_from_json(str(checkpoint / TRAINER_STATE))
+    # The Trainer ends on the best weights with load_best_model_at_end: so does a finished run.
+    if trainer.args.load_best_model_at_end:
+        restore_best(run.resume_best, trainer.args, trainer.state)
+        best = trainer.state.best_model_checkpoint
+        if best is not None and Path(best).is_dir():
+            trainer._load_best_model()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    step = trainer.state.global_step
+    print(f"colab_kit: run {run.name!r} already reached step {step}; loaded its final weights "
+          f"instead of training again.")
+    run.journal.write("complete", step=step, checkpoint=str(checkpoint))
+    return TrainOutput(step, losses[-1] if losses else float("nan"), {"already_complete": True})
+
+
+def trainer_fingerprint(model, args) -> dict:
+    """What a checkpoint records about the model and the training arguments that matter."""
+    from ..checkpoints.checkpoint import model_signature
+
+    fp = model_signature(model)
+    world = max(1, int(getattr(args, "world_size", 1) or 1))
+    fp["effective_batch"] = int(args.per_device_train_batch_size * args.gradient_accumulation_steps * world)
+    fp["world_size"] = world
+    for key in ("per_device_train_batch_size", "gradient_accumulation_steps", "learning_rate",
+                "seed", "max_steps", "num_train_epochs", "warmup_steps", "weight_decay"):
+        fp[key] = getattr(args, key, None)
+    fp["lr_scheduler_type"] = str(getattr(args, "lr_scheduler_type", ""))
+    return fp
+
+
+def check_compatible(run, model, args) -> None:
+    """Stop before training when the checkpoint to resume from cannot fit this setup.
+
+    Raises:
+        ResumeMismatchError: different model shapes or effective batch, with the exact
+            call that starts fresh instead.
+    """
+    run.fingerprint = trainer_fingerprint(model, args)
+    if run.resume_manifest is None:
+        return
+    saved = run.resume_manifest.fingerprint
+    problems, notes = [], []
+    for key, value in run.fingerprint.items():
+        if key not in saved or saved[key] == value or key == "parameters":
+            continue
+        if key in INCOMPATIBLE:
+            what = INCOMPATIBLE[key]
+            if key == "model":
+                problems.append(f"{what}: {saved.get('parameters', 0):,} parameters then, "
+                                f"{run.fingerprint['parameters']:,} now, different tensors")
+            else:
+                problems.append(f"{what}: {saved[key]} then, {value} now")
+        else:
+            notes.append(f"{key} {saved[key]} -> {value}")
+    if problems:
+        raise ResumeMismatchError(
+            f"checkpoint-{run.resume_manifest.step} in {run.drive_dir} was made by a different "
+            f"setup, so training cannot continue from it: " + "; ".join(problems) + ". "
+            f"Restore the old settings to continue, or start fresh (old checkpoints are moved "
+            f"to {run.drive_dir / ARCHIVE}): ck.start_run({run.name!r}, resume=False)")
+    if notes:
+        run.notices.add("resuming with changed settings: " + ", ".join(notes))
+        run.journal.write("warn", what="changed_settings", changes=notes)
+        run.notices.show()
+
+
+def adjust_args(run, args) -> None:
+    """Warn about settings that defeat the kit, cap local checkpoints (Drive keeps the history), and
+    restore the callbacks' state on resume."""
+    out = Path(args.output_dir).absolute()
+    if out == run.drive_dir or run.drive_dir in out.parents:
+        run.notices.add(f"output_dir {out} is inside the persistent folder: every save then "
+                        f"blocks on Drive. Use TrainingArguments(output_dir=run.local_dir); the "
+                        f"kit mirrors checkpoints to Drive in the background")
+    if args.save_total_limit is None:
+        # The kit keeps the history on Drive; unlimited local copies only fill the VM disk.
+        args.save_total_limit = max(run.keep, 2)
+    if hasattr(args, "restore_callback_states_from_checkpoint"):
+        # An exact resume includes the callbacks' saved state (early stopping's patience counter,
+        # the Trainer's control flags); the Trainer restores it only when asked.
+        args.restore_callback_states_from_checkpoint = True
+    if getattr(args, "save_only_model", False):
+        run.notices.add("save_only_model=True: checkpoints hold no optimizer, scheduler or RNG "
+                        "state, so a resume will not continue exactly")
+    run.notices.show()
+
+
+def planned_max_steps(trainer) -> int | None:
+    """The Trainer's total optimizer steps, computed as `Trainer.set_initial_training_values` does."""
+    args = trainer.args
+    if args.max_steps is not None and args.max_steps > 0:
+        return int(args.max_steps)
+    try:
+        batches = len(trainer.get_train_dataloader())
+    except (TypeError, ValueError):  # an iterable dataset without a length
+        return None
+    per_epoch = max(math.ceil(batches / args.gradient_accumulation_steps), 1)
+    return math.ceil(args.num_train_epochs * per_epoch)

@@ -1,0 +1,229 @@
+"""End to end on an emulated Google Drive: "in the cloud" holds through disconnects.
+
+Training runs through `start_run` + `run.train` with ~21 MB checkpoints written faster than the
+DriveFS emulator uploads them; the job and the emulator are SIGKILLed together (the VM dies, and
+every pending upload with it) and training continues on a new VM whose Drive is the cloud folder.
+The same scenario under the pruning rule before 0.2 shows what these tests guard against.
+"""
+
+import json
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import harness  # noqa: E402
+import pytest
+
+import colab_kit as ck
+from colab_kit.checkpoints.checkpoint import list_checkpoints
+from colab_kit.checkpoints.journal import read_events
+from colab_kit.checkpoints.manifest import read_manifest, verify_folder
+from colab_kit.tasks.demo import tiny_trainer
+
+pytestmark = pytest.mark.slow
+HEAVY = ["--vocab", "56000"]  # ~21 MB per checkpoint (weights + AdamW state), steps stay fast
+RATE = 4e6  # bytes/s: ~5.4 s per checkpoint, while training makes one every ~1.5 s
+
+
+def cloud_valid_steps(drive, name: str) -> set[int]:
+    """The checkpoints in the emulator's cloud folder whose manifest verifies (sizes and sha256)."""
+    return {step for step, path in list_checkpoints(drive.cloud / name / "checkpoints") if verify_folder(path) is None}
+
+
+def wait_for_event(job: harness.Job, proc, kind: str, timeout: float = 120) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        if any(e["event"] == kind for e in job.local_events()):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def kill_cycle(job: harness.Job, drive, after: str, delay: float) -> tuple[bool, str, list]:
+    """Start the job, SIGKILL it and the emulator `delay` s after its first `after` event.
+    Returns (killed, its output, the events it journaled)."""
+    proc = job.start()
+    killed = False
+    if wait_for_event(job, proc, after):
+        time.sleep(delay)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+            killed = True
+    drive.kill()  # the VM is gone, with Drive's cache and its pending uploads
+    text, _ = proc.communicate(timeout=120)
+    events = job.local_events()
+    return killed, text, events
+
+
+def reported_in_cloud(events: list, reported: set[int]) -> set[int]:
+    """Steps the journal reports in the cloud and not pruned since, after `events`."""
+    reported = set(reported)
+    for event in events:
+        if event["event"] == "cloud" and "step" in event:
+            reported.add(event["step"])
+        elif event["event"] == "prune":
+            reported -= set(event["steps"])
+    return reported
+
+
+@pytest.fixture(scope="module")
+def heavy_reference(tmp_path_factory):
+    return harness.reference_weights(tmp_path_factory.mktemp("ref"), "trainer", steps=60, save_every=5, extra=HEAVY)
+
+
+def test_disconnects_during_an_upload_backlog_never_lose_the_cloud_checkpoint(tmp_path, emulated_drive,
+                                                                            heavy_reference):
+    drive = emulated_drive(rate=RATE)
+    job = harness.Job(tmp_path, steps=60, save_every=5, step_sleep=0.2, drive_root=drive.mountpoint,
+                      extra=[*HEAVY, "--keep", "2"])
+    rng = random.Random(10)
+    reported: set[int] = set()
+    confirmed_once, kills, expect_resume = False, 0, None
+    for cycle in range(16):
+        killed, text, events = kill_cycle(job, drive, "save", rng.uniform(0.0, 9.0))
+        resumed = harness.resumed_from(text)
+        if expect_resume is not None and resumed is not None:
+            assert resumed == expect_resume, f"cycle {cycle}: resumed from {resumed}, the cloud held {expect_resume}"
+        reported = reported_in_cloud(events, reported)
+        confirmed_once |= any(e["event"] == "cloud" for e in events)
+        valid = cloud_valid_steps(drive, job.name)
+        if confirmed_once:
+            assert valid, f"cycle {cycle}: no checkpoint in the cloud verifies after a confirmation"
+        assert reported <= valid, f"cycle {cycle}: reported in the cloud {sorted(reported)}, valid there {sorted(valid)}"
+        expect_resume = max(valid, default=0)
+        kills += killed
+        if killed and kills >= 8 and confirmed_once:
+            break
+        job.new_vm()
+        drive.new_vm()
+    assert kills >= 8, f"only {kills} kills landed"
+    job.new_vm()
+    drive.new_vm()
+    code, text = job.run()
+    assert code == 0, text[-3000:]
+    assert harness.resumed_from(text) == expect_resume
+    final = harness.load_weights(tmp_path / "final.safetensors")
+    assert harness.max_abs_diff(heavy_reference, final) <= 1e-6
+
+
+def test_the_rule_before_0_2_loses_every_cloud_checkpoint_in_a_backlog(tmp_path, emulated_drive):
+    # Pruning once a newer manifest is *written* (keep=3, the default): a checkpoint every ~2.5 s,
+    # 5.4 s of upload each. The first one reaches the cloud; it is deleted at once when the third
+    # newer one is written, while those are still queued behind each other, and a disconnect from
+    # then on leaves no checkpoint in the cloud.
+    drive = emulated_drive(rate=RATE)
+    lost = []
+    for seed in range(8):
+        job = harness.Job(tmp_path / f"seed{seed}", steps=80, save_every=10, step_sleep=0.2,
+                          drive_root=drive.mountpoint, name=f"old{seed}", extra=[*HEAVY, "--prune-after", "written"])
+        killed, _, events = kill_cycle(job, drive, "cloud", random.Random(seed).uniform(1.0, 8.0))
+        confirmed = any(e["event"] == "cloud" for e in events)
+        if killed and confirmed and not cloud_valid_steps(drive, job.name):
+            lost.append(seed)
+            break
+        drive.new_vm()
+    assert lost, "the emulator should reproduce the loss of every cloud checkpoint under the old rule"
+
+
+def test_pruning_leaves_only_empty_stubs_in_drives_trash(tmp_path, emulated_drive):
+    from transformers import TrainerCallback
+
+    class Slow(TrainerCallback):  # ~0.3 s between saves; each ~3 MB checkpoint uploads in ~0.1 s
+        def on_step_end(self, args, state, control, **kwargs):
+            time.sleep(0.15)
+
+    drive = emulated_drive(rate=40e6)
+    run = ck.start_run("pruned", drive=drive.mountpoint, local_dir=tmp_path / "local", save_every=2, keep=1,
+                       quiet=True, gauges=False)
+    run.train(tiny_trainer(run, max_steps=24, vocab_size=8000, callbacks=[Slow()]))
+    summary = run.finish(timeout=60)
+    assert summary["in_cloud"] is True
+    events = read_events(tmp_path / "local" / "events.jsonl")
+    sizes = {e["step"]: e["bytes"] for e in events if e["event"] == "sync"}
+    pruned = [s for e in events if e["event"] == "prune" for s in e["steps"]]
+    assert len(pruned) >= 10
+    pruned_bytes = sum(sizes[s] for s in pruned)
+    assert drive.trash_bytes() <= 0.01 * pruned_bytes, (drive.trash_bytes(), pruned_bytes)
+    assert [s for s, _ in list_checkpoints(drive.cloud / "pruned" / "checkpoints")] == [24]
+
+
+def test_a_time_interval_stretches_to_the_upload_rate_and_bounds_the_work_at_risk(tmp_path, emulated_drive):
+    from transformers import TrainerCallback
+
+    class Slow(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            time.sleep(0.15)
+
+    drive = emulated_drive(rate=RATE)
+    run = ck.start_run("stretch", drive=drive.mountpoint, local_dir=tmp_path / "local", save_every="2s",
+                       keep=2, quiet=True, gauges=False)
+    run.train(tiny_trainer(run, max_steps=260, vocab_size=56000, callbacks=[Slow()]))
+    run.finish(timeout=60)
+    events = read_events(tmp_path / "local" / "events.jsonl")
+    stretched = [e for e in events if e["event"] == "warn" and e.get("what") == "save_interval"]
+    assert stretched and stretched[0]["asked_s"] == 2.0
+    interval = stretched[-1]["interval_s"]
+    upload_s = 21.6e6 / RATE
+    assert 1.0 * upload_s <= interval <= 2.0 * upload_s, interval  # what the emulator absorbs, with room
+    since = stretched[0]["time"]
+    cloud = [e for e in events if e["event"] == "cloud" and "step" in e and e["time"] - e["seconds"] >= since]
+    assert len(cloud) >= 3
+    at_risk = [b["time"] - (a["time"] - a["seconds"]) for a, b in zip(cloud, cloud[1:])]
+    assert max(at_risk) <= 2 * interval, (at_risk, interval)
+
+
+def test_a_reconnect_from_another_host_takes_over_a_dead_lease_but_not_a_live_one(tmp_path):
+    first = harness.Job(tmp_path, steps=400, save_every=10, step_sleep=0.05,
+                        extra=["--hostname", "vm-old", "--heartbeat", "2"])
+    proc = first.start()
+    assert wait_for_event(first, proc, "save"), proc.communicate()[0][-2000:]
+    second = harness.Job(tmp_path / "vm-new", steps=400, save_every=10, drive_root=first.drive,
+                         extra=["--hostname", "vm-new", "--heartbeat", "2"])  # another VM: its own local disk
+    live = second.start()  # the first job is alive: refused after watching its heartbeat
+    text, _ = live.communicate(timeout=120)
+    assert live.returncode == 3 and "LEASE HELD" in text and "advanced while this runtime watched" in text, text[-2000:]
+    proc.send_signal(signal.SIGKILL)  # the first VM dies with a fresh-looking lease
+    proc.communicate(timeout=60)
+    second.steps = 20
+    code, text = second.run()  # at once, from another host name, without takeover=True
+    assert code == 0, text[-3000:]
+    start = [e for e in read_events(second.run_dir / "events.jsonl") if e["event"] == "start"][-1]
+    assert start["host"] == "vm-new" and start["took_over"] == "vm-old"
+    assert "did not advance in 3 s" in start["took_over_because"]
+    seconds = float(text.split("START_RUN_S=")[1].split()[0])
+    assert seconds <= 1.5 * 2 + 2.0, seconds  # 1.5 heartbeats of watching, plus the rest of start_run
+
+
+def test_drive_check_prints_the_attribute_timeline_and_the_upload_rate(emulated_drive):
+    drive = emulated_drive(rate=2e6)
+    out = subprocess.run([sys.executable, "-m", "colab_kit", "drive-check", str(drive.mountpoint), "--size-mb", "8",
+                          "--interval", "0.25"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["drive_mount"] and report["attributes"] == {
+        "user.drive.uncommitted": True, "user.drive.id": True, "user.drive.md5": False}  # md5 only once uploaded
+    first, last = report["timeline"][0], report["timeline"][-1]
+    assert first["user.drive.uncommitted"] == "1" and first["user.drive.id"].startswith("local-")
+    assert last["user.drive.uncommitted"] == "0" and last["user.drive.id"].startswith("cloud-")
+    assert 0.8 * 2e6 <= report["upload_bytes_per_s"] <= 1.2 * 2e6, report["upload_bytes_per_s"]
+    assert report["delete"]["unlinked"] and drive.trash_bytes() == 0
+    assert not list(drive.cloud.iterdir())
+
+
+def test_status_shows_what_is_in_the_cloud_and_what_is_pending(tmp_path, emulated_drive):
+    drive = emulated_drive(rate=1e6)
+    run = ck.start_run("seen", drive=drive.mountpoint, local_dir=tmp_path / "local", save_every=5, keep=2,
+                       quiet=True, gauges=False)
+    run.train(tiny_trainer(run, max_steps=10, vocab_size=8000))  # ~3 MB checkpoints, ~3 s each
+    out = subprocess.run([sys.executable, "-m", "colab_kit", "status", str(run.drive_dir)], capture_output=True,
+                         text=True, timeout=60).stdout
+    assert "durability: Google Drive" in out
+    assert "checkpoint-10" in out and ("uploading:" in out or "in the cloud" in out)
+    summary = run.finish(timeout=60)
+    assert summary["in_cloud"] and summary["cloud_step"] == 10 and summary["pending_bytes"] == 0
+    out = subprocess.run([sys.executable, "-m", "colab_kit", "status", str(run.drive_dir)], capture_output=True,
+                         text=True, timeout=60).stdout
+    assert "newest in the cloud: checkpoint-10" in out and "pending upload" not in out
+    assert read_manifest(drive.cloud / "seen" / "checkpoints" / "checkpoint-10").step == 10
