@@ -18,7 +18,13 @@ from pathlib import Path
 
 import pytest
 
-from colab_kit.checkpoints import storage
+# Before torch is imported anywhere (here, in pytest's workers, and in every process they start): the
+# tests train tiny models, which gain nothing from intra-op threads, and several test processes run at
+# once (pytest-xdist, jobs, kernels, ranks), where one process's spinning OpenMP threads take the core
+# another one needs.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+from colab_kit.checkpoints import storage  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))

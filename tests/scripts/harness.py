@@ -121,6 +121,11 @@ def kill_tree(proc: subprocess.Popen) -> None:
     not enough: torchrun starts each rank in a session of its own."""
     import psutil
 
+    if isinstance(proc, warm.WarmRanks):  # ranks forked by warm.py: no launcher between them
+        proc.kill()
+        proc.wait(timeout=60)
+        return
+
     try:
         parent = psutil.Process(proc.pid)
         children = parent.children(recursive=True)

@@ -1,10 +1,13 @@
-"""Start tiny_job.py runs as forks of a process that has already imported torch, transformers and the kit.
+"""Start the test jobs (tiny_job.py, ddp_job.py) as forks of a process that has already imported torch,
+transformers and the kit.
 
 Importing transformers' Trainer costs about 6.5 s of CPU in every new Python process on the 2-core CI
-machine, and the end-to-end tests start tiny_job.py dozens of times (every kill, every disconnect).
+machine, and the end-to-end tests start jobs dozens of times (every kill, every disconnect, every rank).
 multiprocessing's forkserver imports those modules once (`preload`); each job is then a fork of it: a
 process of its own, with its own pid, environment, working folder and output file, killed with
-SIGKILL like any other. `start` returns an object with the `subprocess.Popen` methods the tests use.
+SIGKILL like any other. `start` returns an object with the `subprocess.Popen` methods the tests use;
+`start_ranks` starts the ranks of one torch.distributed launch with the environment torchrun gives
+them (the launchers themselves are tested with torchrun and notebook_launcher in tests/distributed).
 """
 
 from __future__ import annotations
@@ -23,13 +26,21 @@ _context = None
 def preload() -> None:
     """What every job imports, once, in the forkserver (nothing is run: no thread, no tensor)."""
     import datasets  # noqa: F401
+    import ddp_job  # noqa: F401
     import safetensors.torch  # noqa: F401
+    import tiny_job  # noqa: F401
     import torch  # noqa: F401
-    from transformers import (BertConfig, BertForSequenceClassification, EarlyStoppingCallback,  # noqa: F401
-                              Trainer, TrainerCallback, TrainingArguments)
+    import torch.distributed  # noqa: F401
+    from transformers import (  # noqa: F401
+        BertConfig,
+        BertForSequenceClassification,
+        EarlyStoppingCallback,
+        Trainer,
+        TrainerCallback,
+        TrainingArguments,
+    )
 
     import colab_kit  # noqa: F401
-    import tiny_job  # noqa: F401
     from colab_kit.tasks import demo  # noqa: F401
 
 
@@ -51,8 +62,8 @@ if os.environ.get("COLAB_KIT_WARM_FORKSERVER") == "1":  # imported as the forkse
     preload()
 
 
-def _run(argv: list[str], env: dict, cwd: str, out: str) -> None:
-    """The job, in the fork: its own environment, folder and output, then tiny_job.main()."""
+def _run(script: str, argv: list[str], env: dict, cwd: str, out: str) -> None:
+    """The job, in the fork: its own environment, folder and output, then `script`.main()."""
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
@@ -63,11 +74,15 @@ def _run(argv: list[str], env: dict, cwd: str, out: str) -> None:
     sys.stdout = open(1, "w", buffering=1, closefd=False)
     sys.stderr = open(2, "w", buffering=1, closefd=False)
     sys.argv = list(argv)
-    import tiny_job
+    if env.get("OMP_NUM_THREADS"):  # torch read it when the forkserver imported it; its threads start now
+        import torch
+
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    job = __import__(script)
 
     code = 0
     try:
-        tiny_job.main()
+        job.main()
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     except BaseException:  # noqa: BLE001 - reported in the job's output, as a crashing script would
@@ -119,9 +134,73 @@ class WarmJob:
         return self._out.read_text(errors="replace"), None
 
 
-def start(argv: list[str], *, env: dict, cwd: Path, out: Path) -> WarmJob:
-    """Fork a job running `tiny_job.py` with `argv` (its arguments after the script's name)."""
-    process = _ctx().Process(target=_run, args=(["tiny_job.py", *argv], env, str(cwd), str(out)), daemon=False)
+def start(argv: list[str], *, env: dict, cwd: Path, out: Path, script: str = "tiny_job") -> WarmJob:
+    """Fork a job running `<script>.py` with `argv` (its arguments after the script's name)."""
+    process = _ctx().Process(target=_run, args=(script, [f"{script}.py", *argv], env, str(cwd), str(out)),
+                             daemon=False)
     process.start()
     return WarmJob(process, Path(out))
+
+
+class WarmRanks:
+    """The ranks of one launch, as one process to the tests: its output is every rank's, rank by rank;
+    its return code the first failing rank's (0 when all succeeded), as torchrun reports it."""
+
+    def __init__(self, jobs: list[WarmJob]):
+        self.jobs = jobs
+
+    @property
+    def pid(self) -> int:
+        return self.jobs[0].pid
+
+    @property
+    def returncode(self) -> int | None:
+        codes = [job.returncode for job in self.jobs]
+        if any(code is None for code in codes):
+            return None
+        return next((code for code in codes if code != 0), 0)
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        for job in self.jobs:
+            job.send_signal(sig)
+
+    def kill(self) -> None:
+        for job in self.jobs:
+            job.kill()
+
+    def wait(self, timeout: float | None = None) -> int:
+        import time
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for job in self.jobs:
+            job.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return self.returncode
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, None]:
+        self.wait(timeout)
+        return "".join(job.communicate()[0] for job in self.jobs), None
+
+
+def start_ranks(argv, *, world: int, env: dict, cwd: Path, out_prefix: Path, script: str = "ddp_job",
+                per_node: int | None = None) -> WarmRanks:
+    """Start `world` ranks of `<script>.py` with torchrun's environment variables: `per_node` ranks to a
+    node (default: all on one), `argv` the same for every rank or a function rank -> argv (a node's
+    own local folder)."""
+    import socket
+
+    with socket.socket() as sock:  # a free port for the rendezvous
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    per_node = per_node or world
+    jobs = []
+    for rank in range(world):
+        rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank % per_node), WORLD_SIZE=str(world),
+                        LOCAL_WORLD_SIZE=str(per_node), GROUP_RANK=str(rank // per_node), ROLE_RANK=str(rank),
+                        ROLE_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        args = argv(rank) if callable(argv) else argv
+        jobs.append(start(args, env=rank_env, cwd=cwd, out=Path(f"{out_prefix}-rank{rank}.log"), script=script))
+    return WarmRanks(jobs)
 

@@ -123,7 +123,7 @@ def test_rna_notebook_killed_after_a_durable_checkpoint_resumes_and_finishes(tmp
     resumed = [e for e in second if e["event"] == "resume"]
     assert resumed and resumed[0]["step"] >= durable
     summary = json.loads((run_dir / "metrics.json").read_text())
-    assert summary["steps"] == 290 and summary["metrics"]["test"]["accuracy"] >= 0.9
+    assert summary["steps"] == 116 and summary["metrics"]["test"]["accuracy"] >= 0.9  # 4 epochs of 29 steps
 
 
 @pytest.mark.slow

