@@ -1,6 +1,8 @@
-"""Work at risk on an emulated Google Drive: the pruning rule before 0.2 vs "in the cloud" first.
+"""Work at risk on an emulated Google Drive: the pruning rule before 0.2 vs "in the cloud" first, on a
+Drive that reports uploads, one that does not, and one that errs and stalls.
 
     python bench/work_at_risk.py [--minutes 10] [--rates 2e6 20e6] [--save-every 20s] [--vocab 160000]
+                                 [--rows written cloud unconfirmed faulty]
 
 Work at risk is the training a disconnect would cost right now: the seconds since the newest
 checkpoint *in the cloud* was saved (since the start while there is none). Each configuration
@@ -9,6 +11,13 @@ the default `--vocab`, a time-based `save_every`) against the DriveFS emulator a
 under one rule; all run side by side in one go, and once a second this script reads the
 emulator's cloud folder (the ground truth, not the kit's claims) for the newest checkpoint whose
 manifest and file sizes hold. Needs FUSE (Debian fuse3, mfusepy).
+
+Rows: `written`, the rule before 0.2; `cloud`, the kit on a mount with DriveFS's attributes;
+`unconfirmed`, the kit on a mount without them (its settle rule at the default settle age, 10 min
+plus the size at an assumed 1 MB/s: run it for at least 3 settle ages, `--minutes 35` for ~60 MB
+checkpoints); `faulty`, the kit on a mount with attributes that fails 1 % of reads with EIO, hides
+an entry from 2 % of listings, holds 0.5 % of all operations for 3 s and fails 0.2 % with errno 107.
+"Drive peak" is what the mount held at most (checkpoints, bytes), read from the emulator's cache.
 """
 
 from __future__ import annotations
@@ -24,22 +33,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "scripts"
 import harness  # noqa: E402
 from emulated_drive import EmulatedDrive, why_no_fuse  # noqa: E402
 
+from colab_kit.checkpoints import validity  # noqa: E402
 from colab_kit.checkpoints.checkpoint import list_checkpoints  # noqa: E402
 from colab_kit.checkpoints.journal import read_events  # noqa: E402
-from colab_kit.checkpoints.manifest import read_manifest, verify_folder  # noqa: E402
 
-RULES = {"written": "prune once a newer one is written (before 0.2)", "cloud": "prune once a newer one is in the cloud"}
+RULES = {"written": "prune once a newer one is written (before 0.2)",
+         "cloud": "prune once a newer one is in the cloud",
+         "unconfirmed": "no attributes: prune once a newer one settled",
+         "faulty": "in the cloud, on a Drive that errs and stalls"}
+FAULTS = "eio=0.01,vanish=0.02,stall=0.005:3,enotconn=0.002"
 
 
 def newest_in_cloud(drive: EmulatedDrive, name: str) -> float | None:
     """When the newest checkpoint in the cloud folder that holds together was saved (None: none)."""
-    for _, path in list_checkpoints(drive.cloud / name / "checkpoints"):
-        try:
-            manifest = read_manifest(path)
-        except ValueError:
-            continue
-        if verify_folder(path, manifest, hashes=False) is None:
-            return manifest.created
+    for step, path in list_checkpoints(drive.cloud / name / "checkpoints"):
+        verdict = validity.check(path, step=step)  # sizes and sha256 (cached while the files stay the same)
+        if verdict.valid:
+            return verdict.manifest.created
     return None
 
 
@@ -50,6 +60,7 @@ def main() -> int:
     parser.add_argument("--save-every", default="20s")
     parser.add_argument("--vocab", type=int, default=160_000, help="160000: ~60 MB checkpoints")
     parser.add_argument("--step-sleep", type=float, default=0.1)
+    parser.add_argument("--rows", nargs="+", default=list(RULES), choices=list(RULES))
     args = parser.parse_args()
     if reason := why_no_fuse():
         print(f"cannot run: {reason}", file=sys.stderr)
@@ -57,14 +68,15 @@ def main() -> int:
     root = Path(tempfile.mkdtemp(prefix="work_at_risk-"))
     configs = []
     for rate in args.rates:
-        for rule in RULES:
+        for rule in args.rows:
             where = root / f"{rate:.0e}-{rule}"
-            drive = EmulatedDrive(where / "gdrive", rate=rate).mount()
+            drive = EmulatedDrive(where / "gdrive", rate=rate, attrs=rule != "unconfirmed",
+                                  faults=FAULTS if rule == "faulty" else "", seed=int(rate)).mount()
             job = harness.Job(where, steps=10**6, save_every=args.save_every, step_sleep=args.step_sleep,
                               drive_root=drive.mountpoint, name="run",
-                              extra=["--vocab", args.vocab, "--prune-after", rule])
+                              extra=["--vocab", args.vocab, "--prune-after", "written" if rule == "written" else "cloud"])
             configs.append({"rate": rate, "rule": rule, "drive": drive, "job": job, "proc": job.start(),
-                            "risk": [], "empty_after_first": 0})
+                            "risk": [], "empty_after_first": 0, "peak": (0, 0)})
     print(f"{len(configs)} runs side by side for {args.minutes:g} min in {root} ...", flush=True)
     started = time.time()
     deadline = time.monotonic() + args.minutes * 60
@@ -80,6 +92,7 @@ def main() -> int:
                 c["empty_after_first"] += 1
             c["seen"] = c.get("seen") or saved is not None
             c["risk"].append(now - (saved if saved is not None else c["began"]))
+            c["peak"] = max(c["peak"], held_on_drive(c["drive"], "run"))
         time.sleep(max(0.0, 1.0 - (time.time() - now)))
     for c in configs:
         c["proc"].kill()
@@ -88,18 +101,38 @@ def main() -> int:
 
     print(f"\nwork at risk over {args.minutes:g} min of training, save_every={args.save_every!r}, "
           f"checkpoints of ~{checkpoint_mb(configs):.0f} MB, sampled once a second from the cloud folder:")
-    print(f"{'upload':>10}  {'rule':<47} {'median s':>9} {'max s':>8} {'no ckpt s':>10} {'in cloud':>9} {'interval s':>11}")
+    print(f"{'upload':>10}  {'rule':<47} {'median s':>9} {'max s':>8} {'no ckpt s':>10} {'in cloud':>9} "
+          f"{'interval s':>11} {'Drive peak':>16}")
     for c in configs:
         events = c["job"].local_events()
         stretched = [e["interval_s"] for e in events if e["event"] == "warn" and e.get("what") == "save_interval"]
         cloud = len([e for e in events if e["event"] == "cloud" and "step" in e])
         risk = c["risk"] or [float("nan")]
+        peak = f"{c['peak'][0]} / {c['peak'][1] / 1e6:.0f} MB"
         print(f"{c['rate'] / 1e6:>5.0f} MB/s  {RULES[c['rule']]:<47} {statistics.median(risk):>9.0f} {max(risk):>8.0f} "
-              f"{c['empty_after_first']:>10d} {cloud:>9d} {stretched[-1] if stretched else '-':>11}")
+              f"{c['empty_after_first']:>10d} {cloud:>9d} {stretched[-1] if stretched else '-':>11} {peak:>16}")
+        if c["rule"] == "faulty":
+            kinds: dict[str, int] = {}
+            for fault in c["drive"].faults_seen():
+                kinds[fault["fault"]] = kinds.get(fault["fault"], 0) + 1
+            print(f"{'':>12}faults injected: {', '.join(f'{k} x{n}' for k, n in sorted(kinds.items()))}")
     print("\n'no ckpt s': seconds, after the first checkpoint reached the cloud, with none there that holds "
           "together; 'in cloud': checkpoints confirmed (cloud events); 'interval s': the stretched save interval.")
     print(f"(elapsed {time.time() - started:.0f} s)")
     return 0
+
+
+def held_on_drive(drive: EmulatedDrive, name: str) -> tuple[int, int]:
+    """(checkpoint folders, bytes) the mount holds now, read from the emulator's cache (the VM's side)."""
+    folders = list_checkpoints(drive.cache / name / "checkpoints")
+    held = 0
+    for _, folder in folders:
+        for path in folder.rglob("*"):
+            try:
+                held += path.stat().st_size if path.is_file() else 0
+            except OSError:
+                pass
+    return len(folders), held
 
 
 def checkpoint_mb(configs) -> float:

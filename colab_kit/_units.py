@@ -35,6 +35,25 @@ def parse_duration(text: str) -> float:
     return seconds
 
 
+_RATE_UNITS = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "kib": 1024, "mib": 1024**2, "gib": 1024**3}
+_RATE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-z]+)\s*/\s*s\s*$")
+
+
+def parse_rate(text) -> float:
+    """Parse "1MB/s", "500 KB/s", "2MiB/s" (or a number of bytes per second) into bytes per second.
+
+    Raises:
+        ValueError: with the accepted forms, for anything else.
+    """
+    if isinstance(text, (int, float)) and not isinstance(text, bool) and text > 0:
+        return float(text)
+    match = _RATE_RE.match(str(text).lower())
+    if not match or match.group(2) not in _RATE_UNITS or float(match.group(1)) <= 0:
+        raise ValueError(f"cannot read {text!r} as an upload rate; use a size per second such as \"1MB/s\" or "
+                         f"\"500KB/s\", or a number of bytes per second")
+    return float(match.group(1)) * _RATE_UNITS[match.group(2)]
+
+
 def format_bytes(n: float | None) -> str:
     """1536 -> "1.5 KiB"; None -> "n/a"."""
     if n is None:

@@ -76,33 +76,47 @@ def local(tmp_path) -> Path:
 
 
 class DriveFaults:
-    """Makes every persistent-folder operation under `root` fail with `errno` while active.
+    """Makes persistent-folder operations under `root` fail while active.
 
-    Patches the functions of `colab_kit.checkpoints.storage` (the kit's only path to the persistent folder),
-    plus reads of manifests, so the failure looks like a Drive mount that went away.
+    Patches the functions of `colab_kit.checkpoints.storage` (the kit's only path to the persistent
+    folder, reads included), so the failure looks like a Drive mount that went away, or, with `ops`,
+    `match` and `times`, like one named operation that fails now and then.
     """
+
+    WRITES = ("copy_file", "atomic_write_bytes", "append_line", "make_dirs", "remove_tree")
+    READS = ("read_bytes", "stat", "list_dir", "getxattr", "sha256_file", "file_digests")
 
     def __init__(self, monkeypatch, root: Path):
         self.root = Path(root)
         self.errno: int | None = None
+        self.ops: set[str] = set(self.WRITES)
+        self.match: str | None = None
+        self.times: int | None = None
         self.calls = 0
-        for name in ("copy_file", "atomic_write_bytes", "append_line", "make_dirs", "remove_tree"):
+        for name in self.WRITES + self.READS:
             original = getattr(storage, name)
-            monkeypatch.setattr(storage, name, self._wrap(original))
+            monkeypatch.setattr(storage, name, self._wrap(name, original))
 
-    def _wrap(self, original):
+    def _wrap(self, name, original):
         def wrapper(*args, **kwargs):
             paths = [Path(a) for a in args if isinstance(a, (str, os.PathLike))]
-            hit = [p for p in paths if self.root == p or self.root in p.parents]
-            if self.errno is not None and hit:
+            hit = [p for p in paths if (self.root == p or self.root in p.parents)
+                   and (self.match is None or self.match in str(p))]
+            if self.errno is not None and hit and name in self.ops and self.times != 0:
                 self.calls += 1
+                if self.times is not None:
+                    self.times -= 1
                 raise OSError(self.errno, os.strerror(self.errno), str(hit[0]))
             return original(*args, **kwargs)
 
         return wrapper
 
-    def fail(self, code: int = errno.ENOSPC) -> None:
-        self.errno = code
+    def fail(self, code: int = errno.ENOSPC, *, ops=None, match: str | None = None, times: int | None = None) -> None:
+        """Fail with `code` from now on: the writes (or the operations named in `ops`: "reads" for every
+        read) on paths containing `match`, `times` times (None: until `heal`)."""
+        if ops == "reads":
+            ops = self.READS
+        self.errno, self.ops, self.match, self.times = code, set(ops or self.WRITES), match, times
 
     def heal(self) -> None:
         self.errno = None

@@ -1,8 +1,10 @@
 """events.jsonl: the journal of what happened while the user was away.
 
 One JSON object per line (start, resume, save, sync, oom, warn, finish, ...), appended and
-fsynced. Writing it must never stop training: when the persistent folder fails, lines wait
-in memory (and in a local copy) and are appended, in order, once it works again.
+fsynced. Writing it must never stop training, nor wait for Drive: `write` appends the line to a
+local copy (the VM's disk) and queues it; the mirror's thread appends the queue to the persistent
+folder, in order (`flush`), and a line that fails to go waits for the next flush. A crash loses at
+most the lines not yet flushed, which the local copy still holds.
 """
 
 from __future__ import annotations
@@ -34,14 +36,16 @@ class Journal:
     def __init__(self, path: str | Path, local_copy: str | Path | None = None):
         self.path = Path(path)
         self.local_copy = Path(local_copy) if local_copy else None
+        self.on_pending = None  # wakes the flusher thread after a line is queued (None: `write` flushes)
         self._pending: list[str] = []
-        self._tail_suspect = False
-        self._lock = threading.Lock()
-        for path in filter(None, (self.path, self.local_copy)):
+        self._tail_suspect = True  # the first flush mends a line torn by a killed process
+        self._lock = threading.Lock()  # the queue: held for microseconds, never across I/O
+        self._flushing = threading.Lock()  # one flusher at a time, so lines stay in order
+        if self.local_copy is not None:
             try:
-                self._mend_torn_tail(path)
-            except OSError:
-                self._tail_suspect = True  # try again before the first append
+                self._mend_torn_tail(self.local_copy)
+            except OSError as exc:
+                log.debug("local journal copy %s: %s", self.local_copy, exc)
 
     @staticmethod
     def _mend_torn_tail(path: Path) -> None:
@@ -62,41 +66,52 @@ class Journal:
     @property
     def pending(self) -> int:
         """Lines not yet on the persistent folder."""
-        return len(self._pending)
+        with self._lock:
+            return len(self._pending)
 
     def write(self, event: str, **fields) -> dict:
-        """Record one event; returns the record. Never raises for I/O trouble."""
+        """Record one event; returns the record. Touches only the local disk, never raises for I/O."""
         record = {"event": event, "time": round(time.time(), 3), **fields}
         line = json.dumps(record, default=str, sort_keys=False)
+        if self.local_copy:
+            try:
+                storage.append_line(self.local_copy, line)
+            except OSError as exc:
+                log.debug("local journal copy failed: %s", exc)
         with self._lock:
-            if self.local_copy:
-                try:
-                    storage.append_line(self.local_copy, line)
-                except OSError as exc:
-                    log.debug("local journal copy failed: %s", exc)
             self._pending.append(line)
-            self._flush_locked()
+        if self.on_pending is not None:
+            self.on_pending()
+        else:  # no flusher thread (before the mirror starts, after it stopped): the writer flushes
+            self.flush()
         return record
 
-    def flush(self) -> bool:
-        """Try to append waiting lines; True when none are left."""
-        with self._lock:
-            return self._flush_locked()
+    def flush(self, timeout: float | None = None) -> bool:
+        """Append the waiting lines to the persistent folder, in order; True when none are left.
 
-    def _flush_locked(self) -> bool:
-        while self._pending:
-            try:
-                if self._tail_suspect:  # a failed append may have written half a line
-                    self._mend_torn_tail(self.path)
-                storage.append_line(self.path, self._pending[0])
-                self._tail_suspect = False
-            except OSError as exc:
-                self._tail_suspect = True
-                log.debug("journal append to %s failed (%s); %d line(s) wait", self.path, exc,
-                          len(self._pending))
-                return False
-            self._pending.pop(0)
-        return True
+        Called by the mirror's thread (and by `finish`); `timeout` bounds the wait for another flush
+        under way (False when it does not end in time)."""
+        if not self._flushing.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
+            return False
+        try:
+            while True:
+                with self._lock:
+                    if not self._pending:
+                        return True
+                    line = self._pending[0]
+                try:
+                    if self._tail_suspect:  # a failed append may have written half a line
+                        self._mend_torn_tail(self.path)
+                    storage.append_line(self.path, line)
+                    self._tail_suspect = False
+                except OSError as exc:
+                    self._tail_suspect = True
+                    log.debug("journal append to %s failed (%s); %d line(s) wait", self.path, exc, self.pending)
+                    return False
+                with self._lock:
+                    self._pending.pop(0)
+        finally:
+            self._flushing.release()
 
 
 class SilentJournal(Journal):
@@ -108,7 +123,7 @@ class SilentJournal(Journal):
     def write(self, event: str, **fields) -> dict:
         return {"event": event, "time": round(time.time(), 3), **fields}
 
-    def flush(self) -> bool:
+    def flush(self, timeout: float | None = None) -> bool:
         return True
 
 

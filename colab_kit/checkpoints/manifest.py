@@ -2,7 +2,8 @@
 
 A checkpoint folder without a manifest that verifies does not exist as far as resume is
 concerned: the data files are written first, the manifest (their sizes and sha256) last and
-atomically, so a kill at any moment leaves either no manifest or a complete one.
+atomically, so a kill at any moment leaves either no manifest or a complete one. Whether a folder
+matches its manifest is decided in one place, `validity.py`.
 """
 
 from __future__ import annotations
@@ -15,8 +16,7 @@ from pathlib import Path
 from ..runtime import KIT_VERSION
 from . import storage
 
-__all__ = ["MANIFEST", "Manifest", "FileEntry", "hash_folder", "read_manifest", "write_manifest",
-           "verify_folder"]
+__all__ = ["MANIFEST", "Manifest", "FileEntry", "hash_folder", "read_manifest", "write_manifest"]
 
 MANIFEST = "MANIFEST.json"
 _FORMAT = 1
@@ -76,41 +76,18 @@ def write_manifest(folder: str | Path, manifest: Manifest) -> None:
 
 
 def read_manifest(folder: str | Path) -> Manifest:
-    """Parse a folder's manifest.
+    """Parse a folder's manifest (whether the folder matches it is `validity.check`'s question).
 
     Raises:
-        ValueError: missing or unreadable manifest, with the reason.
+        ValueError: no manifest, or one that does not parse, with the reason.
+        OSError: the manifest could not be read (nothing is known).
     """
     path = Path(folder) / MANIFEST
     try:
-        return Manifest.from_json(json.loads(path.read_text()))
+        raw = storage.read_bytes(path)
     except FileNotFoundError:
         raise ValueError("no MANIFEST.json (the save or upload did not finish)") from None
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    try:
+        return Manifest.from_json(json.loads(raw))
+    except (ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"unreadable MANIFEST.json ({exc})") from None
-
-
-def verify_folder(folder: str | Path, manifest: Manifest | None = None, *, hashes: bool = True) -> str | None:
-    """Check a checkpoint folder against its manifest.
-
-    Returns:
-        None when every listed file exists with the right size (and sha256, if `hashes`),
-        else a short reason naming the first problem.
-    """
-    folder = Path(folder)
-    if manifest is None:
-        try:
-            manifest = read_manifest(folder)
-        except ValueError as exc:
-            return str(exc)
-    for name, entry in manifest.files.items():
-        path = folder / name
-        try:
-            size = path.stat().st_size
-        except OSError:
-            return f"{name} is missing"
-        if size != entry.size:
-            return f"{name} has {size} bytes, the manifest says {entry.size} (truncated?)"
-        if hashes and storage.sha256_file(path) != entry.sha256:
-            return f"{name} does not match its sha256 (corrupted)"
-    return None

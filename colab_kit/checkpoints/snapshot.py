@@ -4,10 +4,16 @@ The training loop pays only for hard links (or a local copy where links are not 
 that the Trainer's own pruning cannot delete files under the upload. Hard links share bytes with
 the source, so `stamps` (size, mtime) let the uploader check that nothing changed before it
 trusts its hashes.
+
+Each snapshot also leaves a small record beside it (`checkpoint-<step>.json`: its files' sizes and
+mtimes): the Trainer had finished that save. A kernel restart on the same VM that finds a local
+checkpoint without a manifest and a record that matches it knows the save was complete, hashes it
+and resumes from it (`recover_saved`), instead of taking an older checkpoint from Drive.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -18,7 +24,8 @@ from pathlib import Path
 from . import storage
 from .manifest import MANIFEST, Manifest, hash_folder, write_manifest
 
-__all__ = ["SNAPSHOTS", "Snapshot", "SnapshotChanged", "take_snapshot", "snapshot_manifest", "stamp", "discard"]
+__all__ = ["SNAPSHOTS", "Snapshot", "SnapshotChanged", "take_snapshot", "snapshot_manifest", "stamp", "discard",
+           "recover_saved"]
 
 log = logging.getLogger(__name__)
 
@@ -70,12 +77,53 @@ def take_snapshot(source: str | Path, snapshots_root: str | Path, step: int,
         except OSError:  # EXDEV, or a filesystem without hard links
             shutil.copy2(path, dst)
         stamps[name] = stamp(dst)
-    return Snapshot(step=step, path=target, fingerprint=dict(fingerprint or {}), stamps=stamps,
+    snap = Snapshot(step=step, path=target, fingerprint=dict(fingerprint or {}), stamps=stamps,
                     source=source, kit_state=dict(kit_state or {}))
+    # Written whole (temp + rename) but not fsynced: it guards against a dead process, whose page cache
+    # the VM keeps, and an fsync right after a large save can wait for all of it to reach the disk.
+    record, tmp = _record(snap.path), _record(snap.path).with_suffix(".json.tmp")
+    tmp.write_text(json.dumps({"step": step, "stamps": stamps, "fingerprint": snap.fingerprint,
+                               "kit_state": snap.kit_state, "taken": snap.taken, "source": str(source)}))
+    os.replace(tmp, record)
+    return snap
+
+
+def _record(path: Path) -> Path:
+    return path.with_name(path.name + ".json")
 
 
 def discard(snap: Snapshot) -> None:
+    _record(snap.path).unlink(missing_ok=True)
     shutil.rmtree(snap.path, ignore_errors=True)
+
+
+def recover_saved(snapshots_root: str | Path) -> list[int]:
+    """Give a MANIFEST.json to every local checkpoint whose save the Trainer had finished (a snapshot
+    record matches its files) but whose manifest was never written (the process died first); returns
+    their steps. What does not match its record is left as it is."""
+    recovered = []
+    for record in sorted(Path(snapshots_root).glob("checkpoint-*.json")):
+        try:
+            data = json.loads(record.read_text())
+            snap = Snapshot(step=int(data["step"]), path=record.with_suffix(""), fingerprint=data["fingerprint"],
+                            stamps={k: tuple(v) for k, v in data["stamps"].items()}, source=Path(data["source"]),
+                            taken=float(data["taken"]), kit_state=data["kit_state"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if snap.source is None or (snap.source / MANIFEST).exists() or not snap.source.is_dir():
+            continue
+        try:
+            if not all(stamp(snap.source / n) == s for n, s in snap.stamps.items()):
+                continue
+            files = hash_folder(snap.source)
+            if set(files) != set(snap.stamps):
+                continue
+            write_manifest(snap.source, Manifest(step=snap.step, files=files, fingerprint=snap.fingerprint,
+                                                 created=snap.taken, kit_state=snap.kit_state))
+            recovered.append(snap.step)
+        except OSError as exc:
+            log.debug("cannot recover %s: %s", snap.source, exc)
+    return recovered
 
 
 class SnapshotChanged(Exception):

@@ -5,8 +5,10 @@ then `os.replace` (a rename across filesystems, /content -> Drive, fails with EX
 never rename across them: copies go to a temp file beside the target). Read back and verify
 what was written to the persistent folder.
 
-All persistent I/O goes through the functions of this module, called as `storage.name(...)`.
-That makes the module the one seam where tests inject Drive trouble (ENOSPC, EIO, errno 107).
+All persistent I/O goes through the functions of this module, called as `storage.name(...)`: the
+writes, and the reads whose failure must be told apart from an answer (`read_bytes`, `stat`,
+`list_dir`, `getxattr`). That makes the module the one seam where tests inject Drive trouble (ENOSPC,
+EIO, errno 107, a file missing from a listing for a moment), one named operation at a time.
 """
 
 from __future__ import annotations
@@ -19,6 +21,10 @@ import uuid
 from pathlib import Path
 
 __all__ = [
+    "read_bytes",
+    "stat",
+    "list_dir",
+    "getxattr",
     "sha256_file",
     "file_digests",
     "atomic_write_bytes",
@@ -37,6 +43,27 @@ _TMP_MARK = ".tmp-"
 
 def _tmp_name(path: Path) -> Path:
     return path.with_name(f"{path.name}{_TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
+def read_bytes(path: str | os.PathLike) -> bytes:
+    """A whole (small) file: a manifest, the lease, a journal."""
+    with open(path, "rb") as fh:
+        return fh.read()
+
+
+def stat(path: str | os.PathLike) -> os.stat_result:
+    return os.stat(path)
+
+
+def list_dir(path: str | os.PathLike) -> list[os.DirEntry]:
+    """The entries of a folder (FileNotFoundError when the folder is not there)."""
+    with os.scandir(path) as entries:
+        return list(entries)
+
+
+def getxattr(path: str | os.PathLike, name: str) -> bytes:
+    """One extended attribute (DriveFS's upload state; `drive.drivefs` says what they mean)."""
+    return os.getxattr(path, name)
 
 
 def is_temp_name(name: str) -> bool:

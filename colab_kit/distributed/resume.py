@@ -9,7 +9,7 @@ with the same error; no rank deletes anything.
 from __future__ import annotations
 
 from ..checkpoints.checkpoint import CHECKPOINTS, checkpoint_dir, find_latest
-from ..checkpoints.manifest import read_manifest, verify_folder
+from ..checkpoints import validity
 from ..errors import CheckpointError
 from .ranks import all_agree, barrier, broadcast_object, group
 
@@ -39,13 +39,8 @@ def agree_resume(run) -> None:
 
     def local_copy(wanted: int):
         path = checkpoint_dir(run.local_dir, wanted)
-        try:
-            manifest = read_manifest(path)
-            if manifest.step == wanted and verify_folder(path, manifest, hashes=False) is None:
-                return path, manifest
-        except (OSError, ValueError):
-            pass
-        return None, None
+        verdict = validity.check(path, step=wanted)  # local disk; cached for the copy rank 0 fetched
+        return (path, verdict.manifest) if verdict.valid else (None, None)
 
     problem = None
     if step is not None:

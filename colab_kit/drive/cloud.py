@@ -12,6 +12,12 @@ DriveFS's attributes with a backoff that grows with each item's age (so a 10-sec
 timed to about a second and a 20-minute one is polled every 15 s), and measures the upload
 rate from the confirmations. It never blocks training: the mirror thread polls it, and so does
 `run.finish()` while it waits.
+
+Only an item whose every byte is known to match its manifest (`verified`: published and read back,
+fetched, or found VALID by `validity.check`) is ever claimed in the cloud. An item that a poll
+cannot find is not forgotten: it stays pending, `missing` since then, and the mirror uploads it
+again from its local copy when it stays missing (a file can vanish from Drive's listing for a
+moment).
 """
 
 from __future__ import annotations
@@ -22,12 +28,14 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from .._notices import Countdown
 from .._units import format_age, format_bytes
+from ..checkpoints import storage, validity
 from ..checkpoints.checkpoint import list_checkpoints
 from ..checkpoints.journal import Journal
-from ..checkpoints.manifest import MANIFEST, Manifest, read_manifest, verify_folder
+from ..checkpoints.manifest import MANIFEST, Manifest
 from .drivefs import PLAIN, UNCONFIRMED, in_cloud
 
 __all__ = ["Upload", "CloudTracker", "cloud_files", "upload_for"]
@@ -54,6 +62,11 @@ class Upload:
     confirmed_at: float | None = None  # time.time() of the same moment
     pending_bytes: int = 0
     next_poll: float = 0.0
+    verified: bool = True  # every byte known to match the manifest (False: found at start, not read yet)
+    written_at: float = field(default_factory=time.time)  # time.time() when its manifest was written
+    missing_since: float | None = None  # time.monotonic() since when a poll cannot find it
+    source: Path | None = None  # a local folder with the same files, to upload it again from
+    manifest: Manifest | None = None
 
 
 def cloud_files(folder: Path, manifest: Manifest) -> dict[str, str | None]:
@@ -61,21 +74,23 @@ def cloud_files(folder: Path, manifest: Manifest) -> dict[str, str | None]:
     MANIFEST.json included."""
     files: dict[str, str | None] = {name: entry.md5 or None for name, entry in manifest.files.items()}
     try:
-        files[MANIFEST] = hashlib.md5((folder / MANIFEST).read_bytes()).hexdigest()
+        files[MANIFEST] = hashlib.md5(storage.read_bytes(folder / MANIFEST)).hexdigest()
     except OSError:
         files[MANIFEST] = None
     return files
 
 
 def upload_for(folder: Path, manifest: Manifest, label: str, *, saved: float | None = None,
-               started: float | None = None, measure: bool = True) -> Upload:
+               started: float | None = None, measure: bool = True, source: Path | None = None,
+               verified: bool = True, written_at: float | None = None) -> Upload:
     """The `Upload` of a published folder whose MANIFEST.json is `manifest`."""
     files = cloud_files(folder, manifest)
     now = time.monotonic()
     return Upload(label=label, step=manifest.step if label != "final" else None, folder=folder, files=files,
                   bytes=manifest.total_bytes, saved=manifest.created if saved is None else saved,
                   started=now if started is None else started, written=now, measure=measure,
-                  pending_bytes=manifest.total_bytes)
+                  pending_bytes=manifest.total_bytes, source=source, verified=verified,
+                  written_at=time.time() if written_at is None else written_at, manifest=manifest)
 
 
 class CloudTracker:
@@ -118,17 +133,30 @@ class CloudTracker:
 
     def adopt(self, root: Path) -> None:
         """Learn the cloud state of the checkpoints already under `root` (a restart): those in the
-        cloud are known (no `cloud` event: not news), the others are followed."""
+        cloud are known (no `cloud` event: not news), the others are followed. What was verified
+        (the checkpoint resumed from) is claimed at once; the others are read before they are
+        counted (`Pruner.prune`). Unfinished, invalid and unreadable folders are not followed."""
         for step, path in list_checkpoints(root):
+            verdict = validity.check(path, step=step, hashes=False)
+            if verdict.state != validity.VALID and verdict.reason != validity.SIZES_MATCH:
+                log.debug("not adopting %s: %s", path, verdict)
+                continue
             try:
-                manifest = read_manifest(path)
-                if manifest.step != step or verify_folder(path, manifest, hashes=False) is not None:
-                    continue
-                upload = upload_for(path, manifest, f"checkpoint-{step}", measure=False)
+                written_at = storage.stat(path / MANIFEST).st_mtime
+                upload = upload_for(path, verdict.manifest, f"checkpoint-{step}", measure=False,
+                                    verified=verdict.valid, written_at=written_at)
                 done, upload.pending_bytes = in_cloud(path, upload.files, self.kind)
-                self.add(upload, confirmed=done)
-            except (OSError, ValueError) as exc:
-                log.debug("not adopting %s: %s", path, exc)
+            except OSError as exc:
+                log.debug("not adopting %s yet: %s", path, exc)
+                continue
+            self.add(upload, confirmed=done)
+
+    def mark_verified(self, step: int) -> None:
+        """Every byte of checkpoint `step` matches its manifest: it may now be claimed."""
+        with self._lock:
+            for upload in self._items:
+                if upload.step == step:
+                    upload.verified = True
 
     def forget(self, label: str) -> None:
         with self._lock:
@@ -142,34 +170,39 @@ class CloudTracker:
         never the training loop reading `summary()` for the gauges.
         """
         now = time.monotonic()
-        with self._lock:
-            due = [u for u in self._items if u.confirmed is None and self.kind != UNCONFIRMED
-                   and (force or now >= u.next_poll)]
+        with self._lock:  # on an UNCONFIRMED folder the poll only sees whether the files are there
+            due = [u for u in self._items if u.confirmed is None and (force or now >= u.next_poll)]
         seen = []
         for upload in due:
             try:
-                seen.append((upload, *in_cloud(upload.folder, upload.files, self.kind)))
-            except FileNotFoundError:  # pruned, or replaced by a newer copy: nothing to confirm
-                seen.append((upload, None, 0))
+                seen.append((upload, *in_cloud(upload.folder, upload.files, self.kind), False))
+            except FileNotFoundError:  # missing from a listing, for a moment or for good: still pending
+                seen.append((upload, False, upload.pending_bytes, True))
             except OSError as exc:  # Drive trouble: look again later
                 log.debug("cannot read the upload state of %s: %s", upload.folder, exc)
-                seen.append((upload, False, upload.pending_bytes))
+                seen.append((upload, False, upload.pending_bytes, False))
         confirmed = []
         with self._lock:
-            for upload, done, pending in seen:
+            for upload, done, pending, missing in seen:
                 if upload.confirmed is not None or upload not in self._items:
                     continue  # confirmed by another poller meanwhile, or forgotten
-                if done is None:
-                    self._items.remove(upload)
-                elif done:
+                upload.missing_since = (upload.missing_since or now) if missing else None
+                if done:
                     self._confirm(upload)
-                    confirmed.append(upload)
+                    if upload.verified:
+                        confirmed.append(upload)
                 else:
                     upload.pending_bytes = pending
                     age = now - upload.written
                     upload.next_poll = now + min(POLL_MAX_S, max(POLL_MIN_S, 0.1 * age))
         self._journal_confirmed(confirmed)
         return confirmed
+
+    def missing(self, grace: float) -> list[Upload]:
+        """What a poll has not found for `grace` seconds or more (the mirror uploads it again)."""
+        now = time.monotonic()
+        with self._lock:
+            return [u for u in self._items if u.missing_since is not None and now - u.missing_since >= grace]
 
     def _confirm(self, upload: Upload) -> None:
         """Mark `upload` in the cloud and take a rate sample (with the lock held)."""
@@ -194,7 +227,7 @@ class CloudTracker:
     def next_poll_in(self) -> float | None:
         """Seconds until an item is due for polling; None when nothing waits."""
         with self._lock:
-            due = [u.next_poll for u in self._items if u.confirmed is None and self.kind != UNCONFIRMED]
+            due = [u.next_poll for u in self._items if u.confirmed is None]
         return max(0.0, min(due) - time.monotonic()) if due else None
 
     # -- what is known -------------------------------------------------------------------------------
@@ -216,13 +249,26 @@ class CloudTracker:
         with self._lock:
             return next((u for u in self._items if u.label == label), None)
 
-    def confirmed_steps(self) -> set[int]:
+    def confirmed_steps(self, *, verified_only: bool = True) -> set[int]:
+        """Checkpoints in the cloud (`verified_only=False`: also those not yet read since a restart)."""
         with self._lock:
-            return {u.step for u in self._items if u.confirmed is not None and u.step is not None}
+            return {u.step for u in self._items if u.confirmed is not None and u.step is not None
+                    and (u.verified or not verified_only)}
+
+    def checkpoint_steps(self) -> set[int]:
+        """Every checkpoint followed (written to the folder, confirmed or not)."""
+        with self._lock:
+            return {u.step for u in self._items if u.step is not None}
+
+    def settled_steps(self, age: Callable[[int], float]) -> set[int]:
+        """Checkpoints written at least `age(bytes)` seconds ago (a Drive mount without attributes)."""
+        now = time.time()
+        with self._lock:
+            return {u.step for u in self._items if u.step is not None and now - u.written_at >= age(u.bytes)}
 
     def newest_in_cloud(self) -> Upload | None:
         with self._lock:
-            done = [u for u in self._items if u.confirmed is not None and u.step is not None]
+            done = [u for u in self._items if u.confirmed is not None and u.step is not None and u.verified]
             return max(done, key=lambda u: u.step) if done else None
 
     def pending(self) -> list[Upload]:

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .._units import format_bytes
+from ..checkpoints import storage
 
 __all__ = ["UNCOMMITTED", "ITEM_ID", "MD5", "DRIVEFS", "UNCONFIRMED", "PLAIN", "FileUpload",
            "read_upload", "folder_kind", "is_drive_mount", "in_cloud", "describe_kind", "check_space",
@@ -67,7 +68,7 @@ class FileUpload:
 
 def _attr(path: str | os.PathLike, name: str) -> bytes | None:
     try:
-        return os.getxattr(path, name)
+        return storage.getxattr(path, name)
     except OSError as exc:
         if exc.errno in _MISSING:
             return None
@@ -121,12 +122,15 @@ def folder_kind(folder: str | os.PathLike, on_drive: bool = False) -> str:
     is not known; `start_run` has written the lease file there by then).
     """
     folder = Path(folder)
-    try:
-        probes = [folder, *sorted(p for p in folder.iterdir() if p.is_file())[:3]]
-        if any(read_upload(path).has_attributes for path in probes):
-            return DRIVEFS
-    except OSError as exc:  # e.g. errno 107: decide from the mount itself
-        log.debug("cannot read DriveFS attributes of %s: %s", folder, exc)
+    for attempt in range(3):  # a failed read is asked again: it says nothing about the attributes
+        try:
+            probes = [folder, *sorted(p for p in folder.iterdir() if p.is_file())[:3]]
+            if any(read_upload(path).has_attributes for path in probes):
+                return DRIVEFS
+            break
+        except OSError as exc:  # e.g. errno 107 for good: decide from the mount itself
+            log.debug("cannot read DriveFS attributes of %s: %s", folder, exc)
+            time.sleep(0.5 * (attempt + 1))
     return UNCONFIRMED if on_drive or is_drive_mount(folder) else PLAIN
 
 
@@ -154,10 +158,10 @@ def in_cloud(folder: Path, files: dict[str, str | None], kind: str) -> tuple[boo
     for name, md5 in files.items():
         path = folder / name
         if kind == PLAIN:
-            path.stat()
+            storage.stat(path)
             continue
         if kind == UNCONFIRMED or not read_upload(path).in_cloud(md5):
-            pending += path.stat().st_size
+            pending += storage.stat(path).st_size
     return pending == 0 and kind != UNCONFIRMED, pending
 
 

@@ -9,10 +9,16 @@ After a disconnect Colab gives the user a *new* VM (another host name) within a 
 while the dead VM's lease still looks fresh. A live lease of another host is therefore watched
 for 1.5 of its heartbeat intervals: a heartbeat that does not advance belongs to a dead runtime
 and is taken over; one that advances is refused.
+
+A read of the lease that fails (EIO, errno 107, a file that cannot be parsed) is unknown: it is
+never taken for "released" or "no lease". A lease of another host is taken over only after it was
+read successfully twice with a heartbeat that did not advance between the two reads; the writer
+checks that the lease is still its own (`check`) before every upload, publish and delete.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -32,6 +38,7 @@ __all__ = ["LEASE", "LeaseInfo", "Lease", "read_lease", "lease_staleness"]
 
 LEASE = "lease.json"
 STALE_AFTER_BEATS = 4
+_LASTING = (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT)  # not worth a second try
 WATCH_BEATS = 1.5  # how long a live lease of another host is watched before it counts as dead
 log = logging.getLogger(__name__)
 
@@ -67,17 +74,27 @@ class LeaseInfo:
 
 
 def read_lease(path: str | Path) -> LeaseInfo | None:
-    """The lease in `path` (a run folder or the lease file), or None when there is none."""
+    """The lease in `path` (a run folder or the lease file), or None when there is no lease file.
+
+    Raises:
+        OSError: the file could not be read. ValueError: it holds no lease (torn or foreign).
+    """
     path = Path(path)
-    if path.is_dir():
+    if path.name != LEASE:
         path = path / LEASE
     try:
-        obj = json.loads(path.read_text())
-        return LeaseInfo(**{k: obj[k] for k in LeaseInfo.__dataclass_fields__ if k in obj})
+        raw = storage.read_bytes(path)
     except FileNotFoundError:
         return None
-    except (OSError, ValueError, KeyError, TypeError):
-        return None  # a torn or foreign file cannot hold anybody out
+    try:
+        obj = json.loads(raw)
+        return LeaseInfo(**{k: obj[k] for k in LeaseInfo.__dataclass_fields__ if k in obj})
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{path} holds no lease ({exc})") from None
+
+
+def _unknown(exc: Exception) -> str:
+    return getattr(exc, "strerror", None) or str(exc)
 
 
 def lease_staleness(info: LeaseInfo, now: float | None = None) -> str | None:
@@ -121,47 +138,104 @@ class Lease:
                 on_watch: Callable[[LeaseInfo, float], None] | None = None) -> LeaseInfo | None:
         """Claim the folder; returns the lease that was replaced, if any.
 
-        A live lease of another host is watched first (see the module's docstring); `on_watch`
-        is called about once a second with that lease and the seconds left, for a countdown.
+        A lease of another host is watched first (see the module's docstring); `on_watch` is called
+        about once a second with that lease and the seconds left, for a countdown.
         `self.took_over_because` then says why it was taken over.
 
         Raises:
-            LeaseHeldError: a live lease from another process, unless `takeover`.
+            LeaseHeldError: a live lease from another process, or one that cannot be read (its owner
+                may be alive), unless `takeover`.
         """
         self.took_over_because = None
-        previous = read_lease(self.path)
-        if previous is not None and previous.session != self.info.session and not takeover:
+        if takeover:  # asked for: whose lease it was is said if it can be read, and taken either way
+            try:
+                previous = read_lease(self.path)
+            except (OSError, ValueError):
+                previous = None
+        else:
+            previous = self._read_patiently(run_name)
+        if previous is not None and previous.session != self.info.session:
             same_process = previous.host == self.info.host and previous.pid == self.info.pid
-            if not same_process and lease_staleness(previous) is None:
-                if previous.host == self.info.host or not self._dead_while_watched(previous, on_watch):
+            stale = lease_staleness(previous)
+            if not same_process and not previous.released and not takeover:
+                if previous.host == self.info.host:  # this host can ask whether the process lives
+                    if stale is None:
+                        raise self._held(previous, run_name)
+                    self.took_over_because = stale
+                elif not self._dead_while_watched(previous, on_watch, run_name, quick=stale is not None):
                     raise self._held(previous, run_name)
-        self._write()
+        self._write_patiently()
         # Drive has no exclusive create: read back so that of two simultaneous starters at
         # most one believes it holds the lease.
-        confirmed = read_lease(self.path)
+        confirmed = self._read_patiently(run_name)
         if confirmed is None or confirmed.session != self.info.session:
-            raise LeaseHeldError(f"another runtime claimed {self.path.parent} at the same moment; "
-                                 f"run ck.start_run({run_name!r}) again in a minute")
+            raise LeaseHeldError(f"another runtime claimed {self.path.parent} at the same moment; run "
+                                 f"ck.start_run({run_name!r}) again in a minute")
         # A lease released at a clean finish was not taken over from anyone.
         taken = previous is not None and previous.session != self.info.session and not previous.released
         return previous if taken else None
 
-    def _dead_while_watched(self, previous: LeaseInfo, on_watch) -> bool:
-        """Watch `previous` for WATCH_BEATS heartbeats: True when its heartbeat did not advance."""
-        window = WATCH_BEATS * previous.heartbeat_s
+    def _write_patiently(self, waits=(0.5, 1.0, 2.0)) -> None:
+        """Write the lease, again after a failure that may pass (EIO, errno 107: not a full or
+        read-only folder, which would not pass)."""
+        for wait in waits:
+            try:
+                return self._write()
+            except OSError as exc:
+                if exc.errno in _LASTING:
+                    raise
+                time.sleep(wait)
+        self._write()
+
+    def _read_patiently(self, run_name: str, waits=(0.5, 1.0, 2.0)) -> LeaseInfo | None:
+        """The lease, read again after a failed read (a failed read is never "no lease").
+
+        Raises:
+            LeaseHeldError: it could not be read at all.
+        """
+        for wait in (0.0, *waits):
+            time.sleep(wait)
+            try:
+                return read_lease(self.path)
+            except (OSError, ValueError) as exc:
+                problem = _unknown(exc)
+        raise LeaseHeldError(f"cannot read the lease of {self.path.parent} ({problem}), so whether another runtime "
+                             f"writes this run is unknown: nothing was taken over. Run this cell again in a minute; "
+                             f"if no other runtime can be using it: ck.start_run({run_name!r}, takeover=True)")
+
+    def _dead_while_watched(self, previous: LeaseInfo, on_watch, run_name: str, quick: bool = False) -> bool:
+        """Watch `previous` (another host's): True when a successful read after the watch shows the same
+        heartbeat (taken over), False when a read shows it advance (alive). Reads that fail count for
+        nothing; a lease that stays unreadable is refused. `quick`: its heartbeat is old already, so one
+        confirming read after a short pause is enough."""
+        window = min(2.0, previous.heartbeat_s) if quick else WATCH_BEATS * previous.heartbeat_s
         deadline = time.monotonic() + window
-        while (left := deadline - time.monotonic()) > 0:
-            if on_watch is not None:
+        give_up = deadline + max(30.0, 2 * window)
+        while True:
+            left = deadline - time.monotonic()
+            if on_watch is not None and left > 0:
                 on_watch(previous, left)
-            time.sleep(min(1.0, left, previous.heartbeat_s / 10))
-            current = read_lease(self.path)
-            if current is None or current.released:
-                self.took_over_because = "it was released while this runtime watched it"
-                return True
-            if current.session != previous.session or current.heartbeat != previous.heartbeat:
-                return False  # alive (or a third runtime claimed it)
-        self.took_over_because = f"its heartbeat did not advance in {format_age(window)}"
-        return True
+            time.sleep(min(1.0, max(left, 0.2), previous.heartbeat_s / 10))
+            try:
+                current = read_lease(self.path)
+            except (OSError, ValueError):
+                current = False  # unknown: neither alive nor dead
+            if current is not False and current is not None:
+                if current.session == previous.session and current.released:
+                    self.took_over_because = "it was released while this runtime watched it"
+                    return True
+                if current.session != previous.session or current.heartbeat != previous.heartbeat:
+                    return False  # alive (or a third runtime claimed it)
+                if time.monotonic() >= deadline:
+                    self.took_over_because = (f"its heartbeat is {format_age(time.time() - current.heartbeat)} "
+                                              f"old and did not advance" if quick else
+                                              f"its heartbeat did not advance in {format_age(window)}")
+                    return True
+            elif time.monotonic() >= give_up:
+                raise LeaseHeldError(f"the lease of {self.path.parent} (host {previous.host}) could not be read "
+                                     f"again to see whether its heartbeat advances, so it was not taken over. Run "
+                                     f"this cell again; if that runtime is gone: ck.start_run({run_name!r}, "
+                                     f"takeover=True)")
 
     def _held(self, previous: LeaseInfo, run_name: str) -> LeaseHeldError:
         age = format_age(time.time() - previous.heartbeat)
@@ -181,14 +255,32 @@ class Lease:
         storage.atomic_write_json(self.path, asdict(self.info))
 
     def beat(self) -> bool:
-        """Renew the heartbeat; False (and `lost`) when another runtime took the lease."""
+        """Renew the heartbeat; False (and `lost`) when another runtime took the lease.
+
+        Raises:
+            OSError: the lease could not be read or written (unknown: the next beat tries again).
+        """
         if self.lost:
             return False
-        current = read_lease(self.path)
-        if current is not None and current.session != self.info.session:
-            self.lost = True
+        if self.check() is False:
             return False
         self._write()
+        return True
+
+    def check(self) -> bool | None:
+        """Is the lease still this runtime's? True, False (another runtime's: `lost`), or None when it
+        cannot be read now (unknown: do not write, delete or claim; ask again later)."""
+        if self.lost:
+            return False
+        try:
+            current = read_lease(self.path)
+        except (OSError, ValueError):
+            return None
+        if current is None:
+            return None  # the file is not there now: a listing that hides it, or a deletion
+        if current.session != self.info.session:
+            self.lost = True
+            return False
         return True
 
     def start_heartbeat(self, on_lost: Callable[[LeaseInfo | None], None],
@@ -199,23 +291,19 @@ class Lease:
             while not self._stop.wait(self.heartbeat_s):
                 try:
                     if not self.beat():
-                        on_lost(read_lease(self.path))
+                        try:
+                            holder = read_lease(self.path)
+                        except (OSError, ValueError):
+                            holder = None
+                        on_lost(holder)
                         return
-                except OSError as exc:  # Drive trouble: keep trying, the mirror reports it
+                except OSError as exc:  # Drive trouble: keep trying (unknown is not lost); the mirror reports it
                     log.debug("lease heartbeat failed: %s", exc)
                     if on_error:
                         on_error(exc)
 
         self._thread = threading.Thread(target=loop, name="colab_kit-lease", daemon=True)
         self._thread.start()
-
-    def still_ours(self) -> bool:
-        """True while the lease file is this process's (released or not): nobody else writes the folder."""
-        try:
-            current = read_lease(self.path)
-        except OSError:
-            return False
-        return current is not None and current.session == self.info.session
 
     def release(self) -> None:
         """Stop the heartbeat and mark the lease released if it is still ours.
@@ -229,8 +317,7 @@ class Lease:
         if self.lost:
             return
         try:
-            current = read_lease(self.path)
-            if current is not None and current.session == self.info.session:
+            if self.check() is True:
                 self.info.released = True
                 self._write()
         except OSError as exc:

@@ -2,26 +2,24 @@
 
 The training loop only pays for a snapshot (hard links, or a local copy where links are not
 possible) so that the Trainer's own pruning cannot delete files under the upload. A single
-worker then, for the newest snapshot only:
+worker then, for the newest snapshot only: hashes it and writes it to
+`<drive_dir>/checkpoints/checkpoint-<step>/`, read back, MANIFEST.json last (a `sync` event:
+*written*; `publish.py`); follows the upload until it is *in the cloud* (`cloud.py`; a `cloud`
+event) before the next one goes, so that on Drive one checkpoint at a time is in DriveFS's
+upload queue and a newer snapshot replaces a queued older one; and prunes older checkpoints only
+once a newer one is in the cloud, Trash-free, and nothing on doubt (`retention.py`).
 
-1. hashes the snapshot (and leaves a MANIFEST.json beside the local checkpoint too),
-2. copies every data file to `<drive_dir>/checkpoints/checkpoint-<step>/`, reading each back
-   to verify size and sha256, and writes MANIFEST.json last, atomically (a `sync` event:
-   *written* to the persistent folder),
-3. follows the upload until the checkpoint is *in the cloud* (`cloud.CloudTracker`; a `cloud`
-   event), and only then starts the next snapshot: on Drive one checkpoint at a time is in
-   DriveFS's upload queue, and a newer snapshot replaces a queued older one instead of waiting
-   behind it,
-4. prunes older checkpoints only once a newer one is in the cloud (`retention.py`),
-   deleting them the Trash-free way on Drive (`drivefs.TrashFreeDeleter`).
+The same thread does everything else that touches the persistent folder (`upkeep.py`): the
+journal's lines, small files such as `micro_batch.json`, a remount after errno 107, uploading
+again what Drive lost. The training thread only queues: a stalled mount stalls this thread.
 
 Drive errors (ENOSPC, EIO, permissions, errno 107 "Transport endpoint is not connected") are
-retried with exponential backoff; they are reported, never raised into training.
+retried with exponential backoff; they are reported, never raised into training. Before every
+upload, publish and delete the thread checks that the run's lease is still this runtime's.
 """
 
 from __future__ import annotations
 
-import errno
 import logging
 import threading
 import time
@@ -29,21 +27,21 @@ from pathlib import Path
 from typing import Callable
 
 from .._notices import Notices
-from .._units import format_age, format_bytes
-from ..checkpoints.checkpoint import CHECKPOINTS, checkpoint_dir, publish_folder
+from ..checkpoints.checkpoint import CHECKPOINTS
 from ..checkpoints.journal import Journal
-from ..checkpoints.manifest import Manifest, read_manifest, verify_folder
-from ..checkpoints.snapshot import Snapshot, SnapshotChanged, discard, snapshot_manifest
-from .cloud import CloudTracker, upload_for
-from .drivefs import DRIVEFS, PLAIN, UNCONFIRMED, check_space
-from .retention import Pruner
+from ..checkpoints.snapshot import Snapshot, SnapshotChanged, discard
+from .cloud import CloudTracker
+from .drivefs import DRIVEFS, PLAIN, UNCONFIRMED
+from .publish import Publisher
+from .retention import Pruner, Settle, unfinished_folders
+from .upkeep import DeferredWrites, KeptCopies
 
 __all__ = ["Mirror"]
 
 log = logging.getLogger(__name__)
-# How long the next checkpoint waits for the previous one to reach the cloud before it goes anyway.
-GATE_MIN_S = 600.0
 _DELETE_POLL_S = 1.0
+_CHORES_RETRY_S = 2.0  # journal lines or small files that failed to go: the next try
+_PRUNE_AGAIN_S = 5.0  # after a pass that a doubt stopped, or while checkpoints settle (no attributes)
 
 
 class Mirror:
@@ -56,52 +54,50 @@ class Mirror:
         notices: where messages for the user go.
         on_disconnected: called (from the worker) on errno 107, to ask for a Drive remount.
         kind: what "in the cloud" means for `run_dir` (`drivefs.folder_kind`).
-        prune_after: "cloud" (the rule). "written" is the behaviour before 0.2, kept so that the
-            tests and `bench/work_at_risk.py` can show what it loses: prune once a newer manifest
-            is written, delete at once, upload without waiting for the cloud, never stretch
-            `save_every`.
+        prune_after: "cloud" (the rule), or "written", the rule before 0.2, kept to show what it
+            loses (tests, bench/work_at_risk.py): prune once a newer manifest is written, at once.
         writer: False for a follower rank (`ranks.py`): no worker thread, nothing is uploaded,
             read or pruned; every snapshot is discarded.
+        settle: on a Drive mount without attributes, when a checkpoint counts as settled.
+        lease: the run's `Lease`, checked before every upload, publish and delete (None: a folder
+            without a lease, a CheckpointStore of its own).
+        on_lease_lost: called (from the worker) when a check finds the lease another runtime's.
     """
 
     def __init__(self, run_dir: str | Path, *, keep: int, journal: Journal, notices: Notices,
                  on_disconnected: Callable[[], None] | None = None,
                  backoff: tuple[float, float] = (2.0, 120.0), kind: str = PLAIN, prune_after: str = "cloud",
-                 writer: bool = True):
+                 writer: bool = True, settle: Settle = Settle(), lease=None,
+                 on_lease_lost: Callable[[], None] | None = None):
         if prune_after not in ("cloud", "written"):
             raise ValueError(f"prune_after={prune_after!r}: use 'cloud' or 'written'")
         self.run_dir = Path(run_dir)
         self.keep = max(1, int(keep))
-        self.journal = journal
-        self.notices = notices
-        self.on_disconnected = on_disconnected
-        self.backoff = backoff
-        self.kind = kind
-        self.prune_after = prune_after
+        self.journal, self.notices, self.kind, self.prune_after = journal, notices, kind, prune_after
         self.tracker = CloudTracker(kind, journal)
+        self.settle = settle
         self.pruner = Pruner(self.run_dir / CHECKPOINTS, kind=kind, prune_after=prune_after, keep=self.keep,
-                             journal=journal, notices=notices)
+                             journal=journal, notices=notices, settle=settle)
         self.deleter = self.pruner.deleter
+        self.deferred = DeferredWrites()
+        self.kept = KeptCopies(self.tracker, settle.age)
+        self.lease, self.on_lease_lost = lease, on_lease_lost
+        self.ours: set[Path] = set()  # unfinished folders this writer may delete (created, or found at start)
+        self.publisher = Publisher(self.run_dir, tracker=self.tracker, journal=journal, notices=notices,
+                                   ours=self.ours, backoff=backoff, on_disconnected=on_disconnected)
         # The Trainer's best checkpoint (state.best_model_checkpoint): never superseded in the
         # queue nor pruned while it is best. Set from the training loop.
         self.best_step: int | None = None
-        self.written_step: int | None = None
-        self.failures = 0  # consecutive failed attempts
-        self.total_failures = 0
-        self.unsynced_reason: str | None = None
         self._queued: list[Snapshot] = []  # oldest first: at most the best one and the newest
         self._current: Snapshot | None = None
-        self._retry_at = 0.0
-        self._in_flight = None  # the Upload written last, on its way to the cloud
-        self._gate_warned = False
-        self._prune_wanted = False
-        self._delete_poll_at = 0.0
-        self._paused = False
-        self._closed = False
+        self._retry_at = self._delete_poll_at = self._chores_at = 0.0
+        self._prune_wanted = self._paused = self._closed = False
+        self._prune_at = float("inf")  # a pass is due then (a doubt to look at again, checkpoints settling)
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._loop, name="colab_kit-mirror", daemon=True)
         self.writer = writer
         if writer:
+            journal.on_pending = self.wake
             self._thread.start()
         else:
             self._closed = True
@@ -109,13 +105,31 @@ class Mirror:
     # -- main-thread API -------------------------------------------------------------------
     def adopt_existing(self) -> None:
         """Learn the cloud state of the checkpoints already in the folder (a restart), and let the
-        worker prune what the rules allow (leftovers of a killed run among them)."""
+        worker prune what the rules allow (leftovers of a killed run among them: the folders found
+        unfinished now are this writer's to delete, since it holds the lease)."""
         if not self.writer:
             return
+        self.ours.update(unfinished_folders(self.run_dir / CHECKPOINTS))
         self.tracker.adopt(self.run_dir / CHECKPOINTS)
         with self._cond:
             self._prune_wanted = True
             self._cond.notify_all()
+
+    def wake(self) -> None:
+        """Something was queued (a journal line, a small file): the worker looks at once. Cheap, and
+        safe to call from the training thread."""
+        with self._cond:
+            self._cond.notify_all()
+
+    def write_later(self, path: str | Path, data) -> None:
+        """Write `data` (bytes, or a JSON document) to `path` in the persistent folder, from the worker."""
+        if not self.writer:
+            return
+        self.deferred.write_later(path, data)
+        if self._thread.is_alive():
+            self.wake()
+        else:  # no worker any more (after finish): the caller writes, as it would without the kit
+            self.deferred.flush()
 
     def submit(self, snapshot: Snapshot) -> None:
         """Queue `snapshot`; it replaces the queued, older ones (never the one being uploaded, nor
@@ -146,14 +160,22 @@ class Mirror:
     def paused(self) -> bool:
         return self._paused
 
+    # What the publisher knows, said by the mirror (run.status() reads them).
+    written_step = property(lambda self: self.publisher.written_step,
+                            lambda self, step: setattr(self.publisher, "written_step", step))
+    failures = property(lambda self: self.publisher.failures)
+    total_failures = property(lambda self: self.publisher.total_failures)
+    unsynced_reason = property(lambda self: self.publisher.unsynced_reason)
+
     def drain(self, timeout: float | None = None) -> bool:
-        """Wait until every submitted checkpoint is written; False on timeout, when paused, or when
-        the worker thread is not alive (a process forked from the one that started it)."""
+        """Wait until every submitted checkpoint, journal line and small file is written; False on
+        timeout, when paused, or when the worker thread is not alive (a process forked from the one
+        that started it)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             if self._paused:
                 return False
-            while self._current is not None or self._queued:
+            while self._current is not None or self._queued or self.journal.pending or self.deferred.pending:
                 if self._paused or not self._thread.is_alive():
                     return False
                 left = None if deadline is None else deadline - time.monotonic()
@@ -166,22 +188,30 @@ class Mirror:
         """Stop uploading and pruning for good (the lease was lost to another runtime)."""
         with self._cond:
             self._paused = True
-            self.unsynced_reason = reason
+            self.publisher.unsynced_reason = reason
             for old in self._queued:
                 discard(old)
             self._queued = []
             self._cond.notify_all()
+
+    def _lease_ok(self) -> bool | None:
+        """Is the lease still ours? True, False (lost: pauses, for good) or None (unknown: not now)."""
+        if self.lease is None:
+            return True
+        held = self.lease.check()
+        if held is False and not self._paused:
+            self.pause("another runtime took over the run folder")
+            if self.on_lease_lost is not None:
+                self.on_lease_lost()
+        return held
 
     def finish_deletions(self, timeout: float) -> bool:
         """Wait (up to `timeout` s) for the Trash-free deletions under way; False if some remain
         (they stay as empty files in a folder without a manifest, cleaned up at the next start)."""
         deadline = time.monotonic() + timeout
         with self._cond:
-            while self.deleter.pending and not self._paused and self.kind == DRIVEFS:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self._cond.wait(timeout=min(left, 0.5))
+            while self.deleter.pending and not self._paused and self.kind == DRIVEFS and time.monotonic() < deadline:
+                self._cond.wait(timeout=min(deadline - time.monotonic(), 0.5))
         return not self.deleter.pending
 
     def prune_now(self, deadline: float) -> None:
@@ -189,13 +219,10 @@ class Mirror:
         cloud after the run finished allow it), waiting for its deletions until `deadline`."""
         if self._thread.is_alive() or self._paused or not self.writer:
             return
-        try:
-            self._prune()
-            while self.deleter.pending and time.monotonic() < deadline:
-                self.deleter.poll()
-                time.sleep(0.2)
-        except OSError as exc:  # Drive trouble: the next start prunes instead
-            log.info("pruning after the finish failed: %s", exc)
+        self._prune()
+        while self.deleter.pending and time.monotonic() < deadline:
+            self.deleter.poll()
+            time.sleep(0.2)
 
     def close(self, timeout: float = 10.0) -> None:
         with self._cond:
@@ -203,6 +230,10 @@ class Mirror:
             self._cond.notify_all()
         if self._thread.is_alive():
             self._thread.join(timeout=timeout)
+        if not self._thread.is_alive():
+            self.kept.discard_all()
+            if self.journal.on_pending == self.wake:  # no flusher any more: the journal's writers flush
+                self.journal.on_pending = None
 
     # -- worker ------------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -225,30 +256,19 @@ class Mirror:
                     self._current = self._queued.pop(0)
                 if self._current is not None and now >= self._retry_at:
                     return self._current
+                chores = self.journal.pending or self.deferred.pending or self.tracker.missing(0.0)
                 waits = [w for w in (self.tracker.next_poll_in(), self._gate_wait(now),
                                      self._retry_at - now if self._current is not None else None,
                                      self._delete_poll_at - now if self.deleter.pending else None,
+                                     self._chores_at - now if chores else None,
+                                     self._prune_at - now if self._prune_at != float("inf") else None,
                                      0.0 if self._prune_wanted else None) if w is not None]
                 if waits and min(waits) <= 0:
                     return None
-                self._cond.wait(timeout=min(waits) if waits else None)
+                self._cond.wait(timeout=min(waits + [30.0]))  # idle: look again now and then anyway
 
     def _gate_open(self, now: float) -> bool:
-        upload = self._in_flight
-        if (upload is None or upload.confirmed is not None or self.kind != DRIVEFS
-                or self.prune_after == "written" or self.tracker.get(upload.label) is not upload):
-            return True
-        expected = self.tracker.expected_upload_s(upload.bytes) or 0.0
-        if now - upload.written < max(GATE_MIN_S, 3 * expected):
-            return False
-        if not self._gate_warned:
-            self._gate_warned = True
-            waited = format_age(now - upload.written)
-            self.notices.add(f"Drive has not confirmed {upload.label} ({format_bytes(upload.bytes)}) after "
-                             f"{waited}; uploading the next checkpoint anyway (python -m colab_kit drive-check "
-                             f"shows what Drive reports)")
-            self.journal.write("warn", what="upload_slow", step=upload.step, waited_s=round(now - upload.written))
-        return True
+        return self.prune_after == "written" or self.publisher.gate_open(now, self.settle)
 
     def _gate_wait(self, now: float) -> float | None:
         if not self._queued or self._current is not None or self._gate_open(now):
@@ -256,12 +276,22 @@ class Mirror:
         return 1.0  # re-check as confirmations arrive (the poller wakes us sooner)
 
     def _housekeeping(self) -> None:
+        now = time.monotonic()
+        if now >= self._chores_at and (self.journal.pending or self.deferred.pending):
+            done = self.journal.flush(timeout=0) & self.deferred.flush()
+            self._chores_at = now if done else now + _CHORES_RETRY_S
+            with self._cond:
+                self._cond.notify_all()  # drain() may be waiting for them
         confirmed = self.tracker.poll()
+        self.kept.release_safe()
+        if self.tracker.missing(0.0) and now >= self._chores_at:
+            self.kept.upload_missing(self.journal, self.notices, self._lease_ok)
+            self._chores_at = max(self._chores_at, now + _CHORES_RETRY_S)
         with self._cond:
             wanted, self._prune_wanted = self._prune_wanted, False
             if confirmed:
                 self._cond.notify_all()  # the gate may be open now
-        if wanted or any(u.step is not None for u in confirmed):
+        if wanted or now >= self._prune_at or any(u.step is not None for u in confirmed):
             self._prune()
         if self.deleter.pending and time.monotonic() >= self._delete_poll_at:
             self.deleter.poll()
@@ -273,32 +303,19 @@ class Mirror:
         except SnapshotChanged as exc:  # overwritten in place: a newer save will follow
             self.notices.add(f"{exc}; skipped it")
             self.journal.write("warn", what="snapshot_changed", step=snap.step, error=str(exc))
+            discard(snap)
         except Exception as exc:  # OSError is Drive trouble; anything else a bug: retry, report
             if not isinstance(exc, OSError):
                 log.exception("unexpected error mirroring checkpoint-%d", snap.step)
             self._failed(snap, exc)
             return
-        discard(snap)  # before the worker says it is done: drain() returning means nothing is left behind
+        self.kept.release_safe()  # before the worker says it is done: what is safe leaves nothing behind
         with self._cond:
             self._current = None
             self._cond.notify_all()
 
     def _failed(self, snap: Snapshot, exc: BaseException) -> None:
-        self.failures += 1
-        self.total_failures += 1
-        self.unsynced_reason = f"{type(exc).__name__}: {exc}"
-        delay = min(self.backoff[1], self.backoff[0] * 2 ** (self.failures - 1))
-        disconnected = isinstance(exc, OSError) and exc.errno == errno.ENOTCONN
-        message = (f"could not sync checkpoint-{snap.step} to {self.run_dir} ({exc}); training "
-                   f"continues, retrying in {delay:.0f} s")
-        if disconnected:
-            message += " (Drive disconnected: remounting)"
-        if self.failures in (1, 2, 4) or self.failures % 10 == 0:  # loud, but not every retry
-            self.notices.add(message)
-        self.journal.write("warn", what="sync_failed", step=snap.step, error=str(exc),
-                           errno=getattr(exc, "errno", None), attempt=self.failures, retry_in=delay)
-        if disconnected and self.on_disconnected is not None:
-            self.on_disconnected()
+        delay = self.publisher.failed(snap, exc)
         with self._cond:
             newer = any(q.step > snap.step for q in self._queued)
             if newer and snap.step != self.best_step:  # superseded: stop retrying this one
@@ -312,38 +329,17 @@ class Mirror:
             self._cond.notify_all()
 
     def _upload(self, snap: Snapshot) -> None:
-        started = time.monotonic()
-        manifest = snapshot_manifest(snap)
-        target = checkpoint_dir(self.run_dir / CHECKPOINTS, snap.step)
-        if target.is_dir() and _same_manifest(target, manifest) and verify_folder(target, hashes=False) is None:
-            log.info("checkpoint-%d is already on %s", snap.step, self.run_dir)
-        else:
-            # Bytes written but not yet uploaded: known only where DriveFS reports them.
-            pending = self.tracker.pending_bytes if self.kind == DRIVEFS else 0
-            check_space(self.run_dir, snap.bytes, pending, f"checkpoint-{snap.step}")
-            publish_folder(snap.path, target, manifest)
-        seconds = time.monotonic() - started
-        self.written_step = snap.step
-        if self.failures:
-            self.notices.add(f"sync to {self.run_dir} works again; checkpoint-{snap.step} is written")
-        self.failures, self.unsynced_reason = 0, None
-        self.journal.write("sync", step=snap.step, seconds=round(seconds, 3), bytes=manifest.total_bytes)
-        log.info("checkpoint-%d written to %s (%s in %.1f s)", snap.step, self.run_dir,
-                 format_bytes(manifest.total_bytes), seconds)
-        self.journal.flush()
-        upload = upload_for(target, manifest, f"checkpoint-{snap.step}", saved=snap.taken, started=started)
+        upload = self.publisher.write(snap, self._lease_ok)
+        self.kept.keep(snap)
         in_cloud = self.tracker.add(upload)
-        self._in_flight = upload
         if in_cloud or self.prune_after == "written" or self.kind == UNCONFIRMED:
             self._prune()
 
     def _prune(self) -> None:
         protect = {s.step for s in (self._current,) if s is not None}
-        self.pruner.prune(self.tracker, protect=protect, best=self.best_step)
-
-
-def _same_manifest(folder: Path, manifest: Manifest) -> bool:
-    try:
-        return read_manifest(folder).files == manifest.files
-    except ValueError:
-        return False
+        done = self.pruner.prune(self.tracker, protect=protect, best=self.best_step, ours=self.ours,
+                                 lease_ok=self._lease_ok)
+        # Look again soon after a doubt; while checkpoints settle (no attributes), as they settle.
+        waiting = done is None or (self.kind == UNCONFIRMED and self.prune_after == "cloud"
+                                   and len(self.tracker.checkpoint_steps()) > 1)
+        self._prune_at = time.monotonic() + _PRUNE_AGAIN_S if waiting else float("inf")

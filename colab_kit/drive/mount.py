@@ -100,11 +100,22 @@ def flush_and_unmount() -> None:
 
 
 def resolve_root(drive: str | os.PathLike | None = None) -> tuple[Path, bool]:
-    """The root folder that holds run folders, and whether it is a mounted Google Drive."""
-    if drive is not None:
-        return Path(drive).expanduser().absolute(), False
-    if os.environ.get(ENV_DRIVE):
-        return Path(os.environ[ENV_DRIVE]).expanduser().absolute(), False
+    """The root folder that holds run folders, and whether it is on Colab's Google Drive mount.
+
+    Raises:
+        DriveError: a folder under /content/drive while Drive is not mounted there: it would be created
+            on the VM's disk, called Google Drive, lost with the runtime, and make mounting fail later.
+    """
+    if drive is not None or os.environ.get(ENV_DRIVE):
+        root = Path(drive if drive is not None else os.environ[ENV_DRIVE]).expanduser().absolute()
+        under_mount = root == Path(COLAB_MOUNT) or Path(COLAB_MOUNT) in root.parents
+        if under_mount and not _is_mounted(Path(COLAB_MOUNT)):
+            raise DriveError(
+                f"{root} is under {COLAB_MOUNT}, but Google Drive is not mounted there, so it would be a folder "
+                f"on this VM's disk (lost with the runtime) and Drive could not be mounted over it later. Mount "
+                f"Drive first: from google.colab import drive; drive.mount({COLAB_MOUNT!r}). Or give a folder "
+                f"outside {COLAB_MOUNT} to keep the run on this VM, for example drive='/content/runs'")
+        return root, under_mount
     if in_colab():
         return mount_drive() / COLAB_SUBDIR, True
     return Path(LOCAL_DEFAULT).absolute(), False

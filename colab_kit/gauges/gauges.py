@@ -44,6 +44,8 @@ class Gauges:
         title: shown in the header (the run name inside `run.train`).
         local_dir, drive_dir: folders whose free disk space is shown.
         save_html: where the final summary is written as a standalone HTML file.
+        write: how it is written, `write(path, data)` (inside `run.train`: by the mirror's thread, so
+            that the end of training never waits for Drive); default: at once.
         on_warn: called (from the sampler thread) with a message when host RAM passes 90 % of
             its limit or GPU memory 95 %, once per crossing.
         view: "auto", "widget", "html" or "text".
@@ -53,11 +55,13 @@ class Gauges:
 
     def __init__(self, *, total_steps: int | None = None, title: str = "colab_kit", local_dir=None,
                  drive_dir=None, save_html: str | Path | None = None, on_warn: Callable[[str], None] | None = None,
-                 view: str = "auto", interval: float = 1.0, all_gpus: bool = False):
+                 view: str = "auto", interval: float = 1.0, all_gpus: bool = False,
+                 write: Callable[[Path, bytes], None] | None = None):
         global _last
         self.title = title
         self.total_steps = total_steps
         self.save_html = Path(save_html) if save_html else None
+        self._write = write or storage.atomic_write_bytes
         self.on_warn = on_warn
         self.history = History()
         self.status: dict = {}
@@ -246,7 +250,7 @@ class Gauges:
         self._view.close(summary_html, summary_text)
         if self.save_html is not None:
             try:
-                storage.atomic_write_bytes(self.save_html, (
+                self._write(self.save_html, (
                     "<!doctype html><meta charset='utf-8'><title>colab_kit gauges</title>"
                     + summary_html).encode())
             except OSError as exc:

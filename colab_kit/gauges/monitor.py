@@ -239,6 +239,7 @@ class Sampler:
         self._lock = threading.Lock()
         self._nvml: _Nvml | None = None
         self._thread: threading.Thread | None = None
+        self._disk_reader: threading.Thread | None = None
 
     def sample(self) -> Sample:
         """Take one sample now (also usable without the thread)."""
@@ -247,12 +248,25 @@ class Sampler:
                 self._nvml = _Nvml(self.all_gpus)
             now = time.time()
             if now - self._disk_at >= self.disk_every:
-                self._disk, self._disk_at = read_disk(*self.disk_paths), now
+                self._disk_at = now
+                self._read_disk_aside()
             sample = Sample(t=now, gpu=read_gpu(self._nvml), torch=read_torch(),
                             host=read_host(limit=self._limit), disk=self._disk,
                             others=tuple(read_gpu(self._nvml, h) for h in self._nvml.others))
             self.history.add(sample)
             return sample
+
+    def _read_disk_aside(self) -> None:
+        """Free space, read in a thread of its own: statvfs on a stalled Drive mount hangs, and must
+        hang neither the sampler nor anyone waiting for its lock. One read at a time."""
+        if self._disk_reader is not None and self._disk_reader.is_alive():
+            return
+
+        def read():
+            self._disk = read_disk(*self.disk_paths)
+
+        self._disk_reader = threading.Thread(target=read, name="colab_kit-disk", daemon=True)
+        self._disk_reader.start()
 
     def start(self) -> None:
         def loop():
@@ -268,11 +282,17 @@ class Sampler:
         self._thread = threading.Thread(target=loop, name="colab_kit-gauges", daemon=True)
         self._thread.start()
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop sampling; waits at most `timeout` seconds for the thread (a daemon: one stuck in a
+        hung read is left behind rather than waited for)."""
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout=5)
-        with self._lock:
+            self._thread.join(timeout=timeout)
+        if not self._lock.acquire(timeout=timeout):
+            return
+        try:
             if self._nvml is not None:
                 self._nvml.close()
                 self._nvml = None
+        finally:
+            self._lock.release()

@@ -32,13 +32,19 @@ log = logging.getLogger(__name__)
 
 
 class MicroBatchMemory:
-    """The micro-batch that worked, per (GPU, model fingerprint, sequence length), in a JSON file."""
+    """The micro-batch that worked, per (GPU, model fingerprint, sequence length), in a JSON file.
 
-    def __init__(self, path: str | Path, notices=None):
+    Args:
+        write: how the file is written; `run.train` hands it to the mirror's thread
+            (`Mirror.write_later`), so that a back-off never waits for Drive. Default: at once.
+    """
+
+    def __init__(self, path: str | Path, notices=None, write=None):
         self.path = Path(path)
         self.notices = notices
+        self._write = write
         try:
-            self.entries = list(json.loads(self.path.read_text()).get("entries", []))
+            self.entries = list(json.loads(storage.read_bytes(self.path)).get("entries", []))
         except (OSError, ValueError, AttributeError):
             self.entries = []
 
@@ -58,8 +64,12 @@ class MicroBatchMemory:
                         if (e["gpu"], e["model"], e["max_seq_len"]) != (gpu, model, seq_len)]
         self.entries.append({"gpu": gpu, "model": model, "max_seq_len": int(seq_len),
                              "micro_batch": int(micro), "time": time.time()})
+        document = {"entries": list(self.entries)}
+        if self._write is not None:
+            self._write(self.path, document)
+            return
         try:
-            storage.atomic_write_json(self.path, {"entries": self.entries})
+            storage.atomic_write_json(self.path, document)
         except OSError as exc:  # kept in memory for this session; Drive trouble is reported elsewhere
             if self.notices is not None:
                 self.notices.add(f"could not save the learned micro-batch to {self.path}: {exc}")
@@ -95,7 +105,7 @@ class TrainerMicroBatching:
     def __init__(self, run, trainer, *, grow_back_after: int | None = None, micro_batch: int | None = None):
         self.run = run
         self.trainer = trainer
-        self.memory = MicroBatchMemory(run.drive_dir / MICRO_BATCH_FILE, run.notices)
+        self.memory = MicroBatchMemory(run.drive_dir / MICRO_BATCH_FILE, run.notices, write=run.mirror.write_later)
         self.train = MicroBatcher(micro_batch, on_backoff=lambda r: self._on_backoff(r, training=True),
                                   grow_back_after=grow_back_after, diagnose=self._diagnosis)
         self.eval = MicroBatcher(on_backoff=lambda r: self._on_backoff(r, training=False), diagnose=self._diagnosis)

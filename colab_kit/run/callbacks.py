@@ -180,7 +180,7 @@ class GaugesCallback(TrainerCallback):
 
         self.gauges = Gauges(total_steps=state.max_steps or None, title=f"run {run.name!r}",
                              local_dir=run.local_dir, drive_dir=run.drive_dir,
-                             save_html=run.drive_dir / "gauges.html", on_warn=warn,
+                             save_html=run.drive_dir / "gauges.html", on_warn=warn, write=run.mirror.write_later,
                              all_gpus=run.ranks.local_world_size > 1)
         self.gauges.update(step=state.global_step, **self._status())
 

@@ -34,7 +34,7 @@ def finish_run(run, timeout: float | None, status: str, *, flush: bool = False, 
     deadline = None if timeout is None else time.monotonic() + timeout
     if run._finished:  # again: wait for what is still on its way to the cloud
         in_cloud = run.mirror.tracker.wait(deadline)
-        if in_cloud and run.lease.still_ours():  # what reached the cloud since allows pruning
+        if in_cloud and run.lease.check() is True:  # what reached the cloud since allows pruning
             run.mirror.prune_now(deadline if deadline is not None else time.monotonic() + 60)
         summary = run.status() | {k: run._summary[k] for k in ("status", "synced")} | {"in_cloud": in_cloud}
         report(run, summary, again=True)
@@ -91,8 +91,9 @@ def report(run, summary: dict, *, waited: bool = True, again: bool = False) -> N
         print(f"{head}; {saved} saved in {run.drive_dir} (a plain folder: safe once written and read back).")
         return
     if run.durability == UNCONFIRMED:
-        print(f"{head}; {labels or 'nothing'} written to Google Drive in {run.drive_dir}, but whether it is "
-              f"in the cloud cannot be confirmed: DriveFS's upload attributes are missing on this mount. "
+        print(f"{head}; {labels or 'nothing'} written to Google Drive in {run.drive_dir}, but the kit cannot know "
+              f"whether it is in the cloud: this mount does not report uploads (ck.drive_check() shows what it "
+              f"reports). Older checkpoints stay until a newer one was written {run.mirror.settle.describe()} ago. "
               f"Keep the runtime connected for a while, or call run.finish(flush=True) "
               f"(it pushes Drive's cache and unmounts Drive).")
         return

@@ -19,6 +19,7 @@ from ..distributed.ranks import Ranks
 from ..drive.drivefs import PLAIN
 from ..drive.lease import Lease, LeaseInfo
 from ..drive.mirror import Mirror
+from ..drive.retention import Settle
 from ..drive.mount import remount_drive
 from ..errors import ColabKitError
 from ..runtime import RuntimeInfo
@@ -54,7 +55,8 @@ class Run:
     def __init__(self, name: str, drive_dir: Path, local_dir: Path, *, on_drive: bool,
                  save_every_s: float | None, save_every_steps: int | None, keep: int,
                  runtime: RuntimeInfo, lease: Lease | None, journal: Journal, notices: Notices,
-                 gauges: bool = True, kind: str = PLAIN, prune_after: str = "cloud", ranks: Ranks | None = None):
+                 gauges: bool = True, kind: str = PLAIN, prune_after: str = "cloud", ranks: Ranks | None = None,
+                 settle: Settle = Settle()):
         self.name = name
         self.drive_dir = drive_dir
         self.local_dir = local_dir
@@ -72,9 +74,9 @@ class Run:
         self.resume_best: Path | None = None
         self.resume_state: dict = {}
         self.clock = TrainClock()
-        self.mirror = Mirror(drive_dir, keep=keep, journal=journal, notices=notices,
-                             on_disconnected=self._want_remount, kind=kind, prune_after=prune_after,
-                             writer=self.ranks.writer)
+        self.mirror = Mirror(drive_dir, keep=keep, journal=journal, notices=notices, on_disconnected=self._remount,
+                             kind=kind, prune_after=prune_after, writer=self.ranks.writer, settle=settle, lease=lease,
+                             on_lease_lost=lambda: self._lease_lost(None))
         self.fingerprint: dict | None = None
         self.show_gauges = gauges
         self.last_saved_step: int | None = None
@@ -82,8 +84,8 @@ class Run:
         self.global_step: int | None = None  # where the last run.train ended
         self.micro_batching = None  # the TrainerMicroBatching of the last run.train
         self._callbacks: list | None = None
-        self._remount_wanted = False
-        self._last_remount = 0.0
+        self._last_remount = float("-inf")
+        self._told_lease_lost = False
         self._finished = False
         self._summary: dict | None = None
         self._pid = os.getpid()  # a forked copy (notebook_launcher) has none of this process's threads
@@ -175,22 +177,26 @@ class Run:
                                _journal=self.journal, _notices=self.notices, _mirror=self.mirror)
 
     # -- main-thread housekeeping, called from the callbacks --------------------------------------
-    def _want_remount(self) -> None:
-        self._remount_wanted = True
+    def _remount(self) -> None:
+        """After errno 107, from the mirror's thread (training never waits for it): remount Colab's Drive,
+        at most every 5 minutes."""
+        if not self.on_drive or time.monotonic() - self._last_remount < _REMOUNT_EVERY_S:
+            return
+        self._last_remount = time.monotonic()
+        try:
+            remount_drive()
+            self.journal.write("warn", what="remounted_drive")
+        except Exception as exc:  # remounting is best effort; the uploader keeps retrying
+            self.notices.add(f"remounting Google Drive failed: {exc}")
 
     def poll(self) -> None:
-        """Show queued warnings and remount Drive if the uploader asked (main thread only)."""
+        """Show the warnings the background threads queued (main thread only)."""
         self.notices.show()
-        if self._remount_wanted and self.on_drive and time.monotonic() - self._last_remount > _REMOUNT_EVERY_S:
-            self._remount_wanted = False
-            self._last_remount = time.monotonic()
-            try:
-                remount_drive()
-                self.journal.write("warn", what="remounted_drive")
-            except Exception as exc:  # remounting is best effort; the uploader keeps retrying
-                self.notices.add(f"remounting Google Drive failed: {exc}")
 
     def _lease_lost(self, holder: LeaseInfo | None) -> None:
+        if self._told_lease_lost:  # the heartbeat and the mirror may both notice
+            return
+        self._told_lease_lost = True
         who = f"host {holder.host}, pid {holder.pid}" if holder else "another runtime"
         reason = f"another runtime ({who}) took over {self.drive_dir}; this one stopped syncing"
         self.mirror.pause(reason)

@@ -10,6 +10,7 @@ and `run.train` continues from it.
 from __future__ import annotations
 
 import atexit
+import errno
 import json
 import logging
 import os
@@ -21,14 +22,16 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from .._notices import Countdown, Notices
-from .._units import format_age, format_bytes, is_count, parse_duration
+from .._units import format_age, format_bytes, is_count, parse_duration, parse_rate
 from ..checkpoints import storage
-from ..checkpoints.checkpoint import ARCHIVE, CHECKPOINTS, KIT_STATE, Found, find_latest, list_checkpoints
+from ..checkpoints.checkpoint import (ARCHIVE, CHECKPOINTS, KIT_STATE, RETRY_WAITS, Found, list_checkpoints,
+                                     search_checkpoints)
 from ..checkpoints.journal import EVENTS, Journal, SilentJournal
-from ..checkpoints.snapshot import SNAPSHOTS, take_snapshot
+from ..checkpoints.snapshot import SNAPSHOTS, recover_saved, take_snapshot
 from ..distributed.ranks import detect as detect_ranks
-from ..drive.drivefs import describe_kind, folder_kind
+from ..drive.drivefs import UNCONFIRMED, describe_kind, folder_kind
 from ..drive.lease import Lease
+from ..drive.retention import Settle
 from ..drive.mount import resolve_root
 from ..errors import DriveError
 from ..runtime import detect_runtime, in_colab
@@ -90,6 +93,51 @@ def _archive_checkpoints(drive_dir: Path, local_dir: Path) -> Path | None:
     return moved
 
 
+def _patiently(action, waits=RETRY_WAITS):
+    """`action()`, again after a failure that may pass (EIO, errno 107, a stall): doubt costs time.
+    A full, read-only or forbidden folder fails at once."""
+    for wait in waits:
+        try:
+            return action()
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT):
+                raise
+            time.sleep(wait)
+    return action()
+
+
+def _unreadable_error(name: str, drive_dir: Path, unreadable: list[tuple[Path, str]]) -> DriveError:
+    names = "; ".join(f"{path.name}: {reason}" for path, reason in unreadable)
+    disk = " Free space on this VM's disk first (the copy back needs it)." if "disk is full" in names else ""
+    return DriveError(
+        f"checkpoints of {drive_dir} could not be read ({names}), tried {1 + len(RETRY_WAITS)} times each; "
+        f"nothing was started, moved or deleted.{disk} Run this cell again once Drive answers (if the mount "
+        f"itself is stuck: Runtime -> Restart session). To start fresh anyway, which moves every checkpoint to "
+        f"{drive_dir / ARCHIVE}: ck.start_run({name!r}, resume=False)")
+
+
+def _say_unreadable(notices: Notices, journal: Journal, search) -> None:
+    names = ", ".join(path.name for path, _ in search.unreadable)
+    notices.add(f"could not read {names} after {1 + len(RETRY_WAITS)} tries ({search.unreadable[0][1]}); resuming "
+                f"from checkpoint-{search.found.step}, the newest that could be read. Nothing was deleted: "
+                f"{names} stay where they are")
+    for path, reason in search.unreadable:
+        journal.write("warn", what="unreadable_checkpoint", path=str(path), reason=reason)
+
+
+def _set_aside_newer(local: Path, step: int, journal: Journal) -> None:
+    """Local checkpoints newer than the one resumed from could not be verified (a save killed half-way):
+    moved aside on the local disk, never deleted, so that the Trainer does not mistake them for its own."""
+    aside = local / ".set-aside"
+    for newer, path in list_checkpoints(local):
+        if newer > step:
+            aside.mkdir(exist_ok=True)
+            moved = aside / f"{path.name}-{datetime.now(timezone.utc).strftime('%Y%m%d-%H%M%S')}"
+            os.replace(path, moved)
+            journal.write("warn", what="set_aside", path=str(moved), reason="newer than the checkpoint resumed "
+                          "from, and not verifiable")
+
+
 def _kit_state(found: Found) -> dict:
     if found.manifest.kit_state:
         return dict(found.manifest.kit_state)
@@ -115,7 +163,8 @@ def _fetch_best(run: Run, found: Found, places, skipped) -> None:
 
 def start_run(name: str, *, drive: str | os.PathLike | None = None, local_dir: str | os.PathLike | None = None,
               save_every: str | int | None = "10min", keep: int = 3, resume: bool = True,
-              takeover: bool = False, gauges: bool = True, heartbeat_s: float = 30.0, quiet: bool = False) -> Run:
+              takeover: bool = False, gauges: bool = True, heartbeat_s: float = 30.0, quiet: bool = False,
+              settle: str | float = "10min", assumed_rate: str | float = "1MB/s") -> Run:
     """Open (or reopen) a run whose checkpoints survive a runtime reset.
 
     Args:
@@ -137,6 +186,11 @@ def start_run(name: str, *, drive: str | os.PathLike | None = None, local_dir: s
             `<drive_dir>/gauges.html`).
         heartbeat_s: lease heartbeat interval (a lease is stale after 4 missed beats).
         quiet: do not print the summary.
+        settle, assumed_rate: on a Drive mount that does not report uploads (durability
+            "unconfirmed"), a checkpoint is taken to have reached the cloud `settle` plus its size at
+            `assumed_rate` after it was written, and none is deleted until a newer one has; never
+            reported as in the cloud. A duration ("10min", or seconds) and a rate ("1MB/s", or
+            bytes per second).
 
     Several processes (torchrun, `accelerate launch`, `notebook_launcher`: RANK and WORLD_SIZE
     set): every rank calls start_run; rank 0 holds the lease, uploads, journals and prints, and
@@ -155,12 +209,14 @@ def start_run(name: str, *, drive: str | os.PathLike | None = None, local_dir: s
     if not is_count(keep):
         raise ValueError(f"keep={keep!r}: keep at least 1 checkpoint on Drive")
     save_every_s, save_every_steps = _parse_save_every(save_every)
+    settle_rule = Settle(base_s=settle if isinstance(settle, (int, float)) and not isinstance(settle, bool)
+                         else parse_duration(settle), rate_bps=parse_rate(assumed_rate))
 
     runtime = detect_runtime()
     root, on_drive = resolve_root(drive)
     drive_dir = root / name
     try:
-        storage.make_dirs(drive_dir / CHECKPOINTS)
+        _patiently(lambda: storage.make_dirs(drive_dir / CHECKPOINTS))
     except OSError as exc:
         raise DriveError(f"cannot create the run folder {drive_dir}: {exc}. Check that the folder "
                          f"is writable (and, on Drive, that it is not full), or pass drive='<another "
@@ -195,21 +251,26 @@ def start_run(name: str, *, drive: str | os.PathLike | None = None, local_dir: s
     kind = folder_kind(drive_dir, on_drive=on_drive)
     notices = Notices()
     journal = Journal(drive_dir / EVENTS, local_copy=local / EVENTS)
+    recover_saved(local / SNAPSHOTS)  # saves the Trainer finished but the kit never got to upload
     _clean_local(local)
-
-    archived = None if resume else _archive_checkpoints(drive_dir, local)
-    run = Run(name, drive_dir, local, on_drive=on_drive, save_every_s=save_every_s,
-              save_every_steps=save_every_steps, keep=keep, runtime=runtime, lease=lease,
-              journal=journal, notices=notices, gauges=gauges, kind=kind, prune_after=_PRUNE_AFTER, ranks=ranks)
 
     def skipped(path: Path, reason: str) -> None:
         notices.add(f"skipping checkpoint {path}: {reason}")
         journal.write("warn", what="invalid_checkpoint", path=str(path), reason=reason)
 
-    found: Found | None = None
     places = [("drive", drive_dir / CHECKPOINTS), ("local", local)]
-    if resume:
-        found = find_latest(places, local, on_skip=skipped)
+    search = search_checkpoints(places, local, on_skip=skipped) if resume else None
+    if search is not None and search.unreadable:
+        if search.found is None:  # never a fresh start on top of checkpoints that could not be read
+            lease.release()
+            raise _unreadable_error(name, drive_dir, search.unreadable)
+        _say_unreadable(notices, journal, search)
+    found = search.found if search is not None else None
+    archived = None if resume else _archive_checkpoints(drive_dir, local)
+    run = Run(name, drive_dir, local, on_drive=on_drive, save_every_s=save_every_s,
+              save_every_steps=save_every_steps, keep=keep, runtime=runtime, lease=lease,
+              journal=journal, notices=notices, gauges=gauges, kind=kind, prune_after=_PRUNE_AFTER, ranks=ranks,
+              settle=settle_rule)
     if found is not None:
         _fetch_best(run, found, places, skipped)  # before adopt_existing may prune it
     run.mirror.adopt_existing()
@@ -217,9 +278,7 @@ def start_run(name: str, *, drive: str | os.PathLike | None = None, local_dir: s
         run.resume_from, run.resume_manifest = found.path, found.manifest
         run.resume_state = _kit_state(found)
         run.clock = TrainClock(run.resume_state.get("train_seconds", 0.0))
-        for step, path in list_checkpoints(local):
-            if step > found.step:  # unverifiable leftovers newer than what we resume from
-                shutil.rmtree(path, ignore_errors=True)
+        _set_aside_newer(local, found.step, journal)
         if found.origin == "drive":
             run.mirror.written_step = found.step
         else:
@@ -261,6 +320,10 @@ def _summary(run: Run, found: Found | None, replaced, because: str | None, archi
     every = f"{save_every} of training" if run.save_every_s else (
         f"{run.save_every_steps} steps" if run.save_every_steps else "the Trainer's save_steps")
     lines.append(f"  saves: every {every} and at the end; {run.keep} kept in the cloud")
+    if run.durability == UNCONFIRMED:  # said once: what the kit assumes where it cannot know
+        lines.append(f"  pruning: nothing can confirm an upload here, so no checkpoint is deleted until a newer one "
+                     f"was written {run.mirror.settle.describe()} ago (start_run(settle=, assumed_rate=) to "
+                     f"change it); checkpoints are never called in the cloud")
     if replaced is not None:
         lines.append(f"  took over the run folder from host {replaced.host}, pid {replaced.pid}"
                      + (f": {because}" if because else ""))

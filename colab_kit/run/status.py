@@ -14,7 +14,7 @@ from pathlib import Path
 from .._units import format_age, format_bytes
 from ..checkpoints.checkpoint import CHECKPOINTS, FINAL, list_checkpoints
 from ..checkpoints.journal import EVENTS, read_events
-from ..checkpoints.manifest import read_manifest, verify_folder
+from ..checkpoints import validity
 from ..drive.cloud import cloud_files
 from ..drive.drivefs import DRIVEFS, UNCONFIRMED, describe_kind, folder_kind, in_cloud
 from ..drive.lease import lease_staleness, read_lease
@@ -78,10 +78,15 @@ def show_status(run_dir: str, events: int, quick: bool) -> int:
     print(f"run folder: {root.absolute()}")
     kind = folder_kind(root)
     print(f"durability: {describe_kind(kind)}")
-    lease = read_lease(root)
+    try:
+        lease = read_lease(root)
+    except (OSError, ValueError) as exc:
+        lease = False
+        print(f"lease: unreadable ({getattr(exc, 'strerror', None) or exc}); whether a runtime writes this run "
+              f"is unknown")
     if lease is None:
         print("lease: none (no runtime is writing this run)")
-    else:
+    elif lease is not False:
         stale = lease_staleness(lease)
         state = f"stale: {stale}" if stale else "live"
         print(f"lease: host {lease.host}, pid {lease.pid}, heartbeat "
@@ -92,24 +97,31 @@ def show_status(run_dir: str, events: int, quick: bool) -> int:
     print(f"checkpoints ({'sizes checked' if quick else 'sha256 verified'}):" if checkpoints
           else "checkpoints: none")
     newest_valid = newest_cloud = None
-    pending = 0
+    pending, unreadable = 0, []
     for step, path in checkpoints:
-        problem = verify_folder(path, hashes=not quick)
-        cloud = ""
-        try:
-            manifest = read_manifest(path)
+        verdict = validity.check(path, step=step, hashes=not quick)  # the same verdict resume and pruning reach
+        fine = verdict.valid or verdict.reason == validity.SIZES_MATCH
+        cloud, detail = "", f"{'':>10}  {'':<16}"
+        if verdict.manifest is not None:
+            manifest = verdict.manifest
             detail = f"{format_bytes(manifest.total_bytes):>10}  saved {format_age(time.time() - manifest.created)} ago"
-            if problem is None:
+            if fine:
                 cloud, waiting = _cloud_state(path, manifest, kind)
                 pending += waiting
                 if step is not None and newest_cloud is None and cloud == "in the cloud":
                     newest_cloud = (step, manifest.created)
-        except ValueError:
-            detail = f"{'':>10}  {'':<16}"
-        verdict = "valid" if problem is None else f"INVALID: {problem}"
-        if problem is None and newest_valid is None and step is not None:
-            newest_valid = step
-        print(f"  {path.name:<20} {detail}  {verdict}" + (f", {cloud}" if cloud else ""))
+        if fine:
+            said = "valid"
+            if newest_valid is None and step is not None:
+                newest_valid = step
+        elif verdict.unknown:
+            said = f"UNREADABLE now: {verdict.reason}"
+            unreadable.append(path.name)
+        else:
+            said = f"INVALID: {verdict.reason}"
+        print(f"  {path.name:<20} {detail}  {said}" + (f", {cloud}" if cloud else ""))
+    if unreadable:
+        print(f"could not be read now: {', '.join(unreadable)} (not counted; run this again)")
     if checkpoints:
         print(f"resume would use: checkpoint-{newest_valid}" if newest_valid is not None
               else "resume would start fresh: no checkpoint verifies")

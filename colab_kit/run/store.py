@@ -26,12 +26,12 @@ from pathlib import Path
 
 from .._notices import Notices
 from ..checkpoints import storage
-from ..checkpoints.checkpoint import CHECKPOINTS, checkpoint_dir, find_latest, list_checkpoints, model_signature
+from ..checkpoints.checkpoint import CHECKPOINTS, checkpoint_dir, list_checkpoints, model_signature, search_checkpoints
 from ..checkpoints.journal import EVENTS, Journal
 from ..checkpoints.snapshot import SNAPSHOTS, take_snapshot
 from ..drive.drivefs import folder_kind
 from ..drive.mirror import Mirror
-from ..errors import CheckpointError, ResumeMismatchError
+from ..errors import CheckpointError, DriveError, ResumeMismatchError
 
 __all__ = ["CheckpointStore"]
 
@@ -112,8 +112,10 @@ class CheckpointStore:
         self._owns_mirror = _mirror is None
         if _mirror is None:
             _mirror = Mirror(self.dir, keep=self.keep, journal=self._journal, notices=self._notices, kind=folder_kind(self.dir))
-            _mirror.adopt_existing()
         self._mirror = _mirror
+        # What is already in the folder is adopted (and may be pruned) only after restore_latest has
+        # looked at it, or at the first save: a damaged checkpoint is named to the user, not just deleted.
+        self._adopted = not self._owns_mirror
         self.extra: dict = {}
         self._closed = False
 
@@ -132,6 +134,7 @@ class CheckpointStore:
 
         if self._closed:
             raise CheckpointError("this CheckpointStore is closed; create a new one to save again")
+        self._adopt()
         step = int(step)
         staging = self.local_dir / f".staging-{step}-{uuid.uuid4().hex[:8]}"
         staging.mkdir(parents=True)
@@ -172,6 +175,7 @@ class CheckpointStore:
 
         Raises:
             ResumeMismatchError: the checkpoint's tensors do not fit `model`.
+            DriveError: checkpoints exist but none could be read (retried first): never taken for none.
         """
         import torch
         from safetensors.torch import load_model
@@ -180,9 +184,21 @@ class CheckpointStore:
             self._notices.add(f"skipping checkpoint {path}: {reason}")
             self._journal.write("warn", what="invalid_checkpoint", path=str(path), reason=reason)
 
-        found = find_latest([("drive", self.dir / CHECKPOINTS), ("local", self.local_dir)],
-                            self.local_dir, on_skip=skipped)
+        search = search_checkpoints([("drive", self.dir / CHECKPOINTS), ("local", self.local_dir)],
+                                    self.local_dir, on_skip=skipped)
+        for path, reason in search.unreadable:
+            self._journal.write("warn", what="unreadable_checkpoint", path=str(path), reason=reason)
+        if search.unreadable and search.found is None:  # "could not read" is never "nothing to restore"
+            raise DriveError(f"checkpoints in {self.dir / CHECKPOINTS} could not be read "
+                             f"({'; '.join(f'{p.name}: {r}' for p, r in search.unreadable)}), so nothing was "
+                             f"restored and nothing was deleted. Call restore_latest() again once the folder "
+                             f"answers, or save into another folder to start fresh")
+        if search.unreadable:
+            self._notices.add(f"could not read {', '.join(p.name for p, _ in search.unreadable)}; restoring "
+                              f"checkpoint-{search.found.step}, the newest that could be read")
+        self._adopt()
         self._notices.show()
+        found = search.found
         if found is None:
             return None
         saved = found.manifest.fingerprint
@@ -206,6 +222,11 @@ class CheckpointStore:
         _set_rng_state(torch.load(path / RNG_FILE, weights_only=True))
         self._journal.write("resume", step=found.step, origin=found.origin, source=str(found.source))
         return found.step
+
+    def _adopt(self) -> None:
+        if not self._adopted:
+            self._adopted = True
+            self._mirror.adopt_existing()
 
     # -- lifecycle -----------------------------------------------------------------------------
     def wait(self, timeout: float | None = None) -> bool:

@@ -1,25 +1,12 @@
 """Manifests, choosing the newest valid checkpoint, corruption, pruning."""
 
-import json
-import os
-from pathlib import Path
 
 import pytest
+from made import make_checkpoint
 
 from colab_kit.checkpoints.checkpoint import fetch_checkpoint, find_latest, list_checkpoints
-from colab_kit.checkpoints.manifest import MANIFEST, Manifest, hash_folder, read_manifest, verify_folder, write_manifest
-
-
-def make_checkpoint(root: Path, step: int, *, manifest: bool = True, payload: bytes | None = None) -> Path:
-    folder = root / f"checkpoint-{step}"
-    folder.mkdir(parents=True)
-    (folder / "model.safetensors").write_bytes(payload or os.urandom(4096))
-    (folder / "optimizer.pt").write_bytes(os.urandom(1000))
-    (folder / "sub").mkdir()
-    (folder / "sub" / "state.json").write_text(json.dumps({"step": step}))
-    if manifest:
-        write_manifest(folder, Manifest(step=step, files=hash_folder(folder)))
-    return folder
+from colab_kit.checkpoints.manifest import MANIFEST, read_manifest
+from colab_kit.checkpoints.validity import verify_folder
 
 
 def test_manifest_lists_files_with_sizes_and_hashes(tmp_path):

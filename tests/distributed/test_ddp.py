@@ -27,7 +27,8 @@ from project import NOTEBOOKS, SCRIPTS  # noqa: E402
 
 from colab_kit.checkpoints.checkpoint import list_checkpoints  # noqa: E402
 from colab_kit.checkpoints.journal import read_events  # noqa: E402
-from colab_kit.checkpoints.manifest import read_manifest, verify_folder  # noqa: E402
+from colab_kit.checkpoints.manifest import read_manifest  # noqa: E402
+from colab_kit.checkpoints.validity import verify_folder  # noqa: E402
 
 pytestmark = pytest.mark.slow
 JOB = SCRIPTS / "ddp_job.py"
@@ -117,7 +118,7 @@ def ranks_said(text: str) -> dict[int, tuple[str, int]]:
 
 def assert_rank_files_in(folder: Path) -> None:
     manifest = read_manifest(folder)
-    assert verify_folder(folder, manifest) is None
+    assert verify_folder(folder) is None
     assert {"rng_state_0.pth", "rng_state_1.pth"} <= set(manifest.files), sorted(manifest.files)
 
 

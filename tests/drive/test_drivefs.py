@@ -16,8 +16,8 @@ import colab_kit as ck
 from colab_kit._notices import Notices
 from colab_kit.checkpoints.checkpoint import list_checkpoints
 from colab_kit.checkpoints.journal import Journal, read_events
-from colab_kit.checkpoints.manifest import verify_folder
 from colab_kit.checkpoints.snapshot import take_snapshot
+from colab_kit.checkpoints.validity import verify_folder
 from colab_kit.drive.drivefs import DRIVEFS, PLAIN, UNCONFIRMED, TrashFreeDeleter, folder_kind, in_cloud, read_upload
 from colab_kit.drive.mirror import Mirror
 
@@ -188,7 +188,8 @@ def test_without_attributes_nothing_is_called_in_the_cloud(emulated_drive, tmp_p
     assert summary["in_cloud"] is False and summary["cloud_step"] is None
     events = read_events(tmp_path / "local" / "events.jsonl")
     assert not [e for e in events if e["event"] == "cloud"]
-    assert [e["step"] for e in events if e["event"] == "sync"] == [5, 10, 15, 20]
+    # Uploads are thinned to the assumed rate (nothing reports them): newer saves replace waiting ones
+    assert [e["step"] for e in events if e["event"] == "sync"][-1] == 20
     remaining = list_checkpoints(run.drive_dir / "checkpoints")
     assert remaining and verify_folder(remaining[0][1]) is None  # pruning kept a checkpoint that verifies
 

@@ -12,8 +12,9 @@ from colab_kit._notices import Notices
 from colab_kit.checkpoints import storage
 from colab_kit.checkpoints.checkpoint import list_checkpoints
 from colab_kit.checkpoints.journal import Journal, read_events
-from colab_kit.checkpoints.manifest import MANIFEST, verify_folder
+from colab_kit.checkpoints.manifest import MANIFEST
 from colab_kit.checkpoints.snapshot import take_snapshot
+from colab_kit.checkpoints.validity import verify_folder
 from colab_kit.drive.mirror import Mirror
 
 
@@ -150,7 +151,7 @@ def test_prunes_only_after_confirming_and_keeps_keep(mirror, drive, local):
 @pytest.mark.parametrize("code", [errno.ENOSPC, errno.EIO, errno.EACCES, errno.ENOTCONN])
 def test_drive_errors_are_retried_reported_and_caught_up(mirror, drive, local, drive_faults, code):
     disconnected = []
-    mirror.on_disconnected = lambda: disconnected.append(True)
+    mirror.publisher.on_disconnected = lambda: disconnected.append(True)
     drive_faults.fail(code)
     submit(mirror, local, 10)
     deadline = time.monotonic() + 5

@@ -3,7 +3,7 @@
 import json
 from types import SimpleNamespace
 
-from test_checkpoint import make_checkpoint
+from made import make_checkpoint
 
 from colab_kit.run.best import early_stopped, fetch_best, recorded_best, restore_best, step_of
 

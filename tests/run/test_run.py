@@ -4,6 +4,7 @@ import errno
 import json
 import re
 import shutil
+import time
 
 import pytest
 import torch
@@ -12,7 +13,8 @@ from transformers import TrainerCallback
 import colab_kit as ck
 from colab_kit.checkpoints.checkpoint import list_checkpoints
 from colab_kit.checkpoints.journal import read_events
-from colab_kit.checkpoints.manifest import read_manifest, verify_folder
+from colab_kit.checkpoints.manifest import read_manifest
+from colab_kit.checkpoints.validity import verify_folder
 from colab_kit.drive.lease import read_lease
 from colab_kit.run.callbacks import DriveSyncCallback, SaveScheduleCallback
 from colab_kit.tasks.demo import tiny_trainer, toy_classification
@@ -301,20 +303,33 @@ def test_a_corrupted_newest_checkpoint_on_drive_is_skipped_with_a_warning(drive,
     run.finish()
 
 
-def test_errno_107_makes_colab_remount_drive_from_the_main_thread(drive, local, fake_colab, capsys,
-                                                                 monkeypatch, tmp_path):
+def test_errno_107_remounts_colabs_drive_from_the_mirrors_thread_never_the_training_loop(
+        drive, local, fake_colab, monkeypatch, tmp_path, drive_faults):
+    import threading
+
     import colab_kit.drive.mount
 
     monkeypatch.setattr(colab_kit.drive.mount, "COLAB_MOUNT", str(tmp_path / "content" / "drive"))
-    run = start(drive, local, quiet=True)
+    mount, where = fake_colab.drive.mount, []
+    fake_colab.drive.mount = lambda *a, **k: (where.append(threading.current_thread().name), mount(*a, **k))[1]
+    run = start(drive, local, quiet=True, save_every=2)
     run.on_drive = True  # as if the folder were on /content/drive
-    run.mirror.on_disconnected()  # what the uploader calls on errno 107
-    run.poll()
-    assert fake_colab.calls == [(str(tmp_path / "content" / "drive"), True)]  # force_remount=True
-    assert events(run, "warn")[-1]["what"] == "remounted_drive"
-    run.poll()  # rate-limited: not again at once
-    assert len(fake_colab.calls) == 1
-    run.finish()
+    drive_faults.fail(errno.ENOTCONN)  # the mount answers "Transport endpoint is not connected"
+
+    def heal_once_remounted():
+        deadline = time.monotonic() + 20
+        while not where and time.monotonic() < deadline:
+            time.sleep(0.02)
+        drive_faults.heal()
+
+    healer = threading.Thread(target=heal_once_remounted)
+    healer.start()
+    run.train(tiny_trainer(run, max_steps=6))  # ends once the last checkpoint is written, after the heal
+    healer.join()
+    assert fake_colab.calls == [(str(tmp_path / "content" / "drive"), True)]  # force_remount=True, and once
+    assert where == ["colab_kit-mirror"]  # not the training loop: a remount may hang on a sick mount
+    assert run.status()["written_step"] == 6
+    assert "remounted_drive" in [e.get("what") for e in events(run, "warn")]
 
 
 def test_an_unwritable_drive_at_start_is_a_clear_drive_error(drive, local, drive_faults):

@@ -9,7 +9,7 @@ import torch
 
 import colab_kit as ck
 from colab_kit.checkpoints.journal import read_events
-from colab_kit.checkpoints.manifest import verify_folder
+from colab_kit.checkpoints.validity import verify_folder
 
 
 def tiny_setup(seed=0, width=8):

@@ -2,6 +2,7 @@
 
     python drivefs_emulator.py MOUNTPOINT --cache DIR --cloud DIR --trash DIR
                                [--rate BYTES_PER_S] [--quota BYTES] [--no-attrs]
+                               [--faults SPEC --seed N --fault-log FILE] [--stall-on-signal S]
 
 What the mount shows is a *cache* folder (the VM's disk); what survives a runtime reset is the
 *cloud* folder. The rules follow what is known of Colab's DriveFS
@@ -22,6 +23,13 @@ What the mount shows is a *cache* folder (the VM's disk); what survives a runtim
 - At start the cache is replaced by a copy of the cloud (every file committed): each mount is a
   "new VM". Killing this process leaves the mount answering errno 107, "Transport endpoint is
   not connected", like Colab's mount when its daemon dies.
+
+Faults, as users report them of Colab's mount (`--faults`, seeded by `--seed`, each one logged to
+`--fault-log` as a JSON line): `eio=P` fails a fraction P of reads, stats, listings and attribute
+reads with EIO; `vanish=P` leaves an entry out of a fraction P of listings (a file missing from a
+listing for a moment); `stall=P:S` holds a fraction P of all operations for S seconds;
+`enotconn=P` fails a fraction P of all operations with errno 107 mid-way. `--stall-on-signal S`:
+SIGUSR2 holds every operation that starts in the next S seconds until they are over (a stalled mount).
 """
 
 from __future__ import annotations
@@ -32,7 +40,9 @@ import errno
 import faulthandler
 import hashlib
 import itertools
+import json
 import os
+import random
 import shutil
 import signal
 import sys
@@ -44,6 +54,62 @@ import mfusepy as fuse
 
 ATTRS = ("user.drive.uncommitted", "user.drive.id", "user.drive.md5")
 CHUNK = 256 << 10
+
+
+class Faults:
+    """Seeded random faults on the mount's operations, each one logged."""
+
+    READS = {"read", "getattr", "readdir", "getxattr", "access", "open"}
+
+    def __init__(self, spec: str, seed: int, log_path: str | None, stall_on_signal: float):
+        self.rates = {"eio": 0.0, "vanish": 0.0, "stall": 0.0, "enotconn": 0.0}
+        self.stall_s = 3.0
+        for part in filter(None, (spec or "").split(",")):
+            name, _, value = part.partition("=")
+            if name == "stall" and ":" in value:
+                value, seconds = value.split(":")
+                self.stall_s = float(seconds)
+            if name not in self.rates:
+                raise SystemExit(f"unknown fault {name!r}: use eio, vanish, stall or enotconn")
+            self.rates[name] = float(value)
+        self.rng = random.Random(seed)
+        self.lock = threading.Lock()
+        self.log = open(log_path, "a", buffering=1) if log_path else None
+        self.signal_stall_s = stall_on_signal
+        self.stalled_until = 0.0
+        if stall_on_signal:
+            signal.signal(signal.SIGUSR2, lambda *_: setattr(self, "stalled_until", time.monotonic() + stall_on_signal))
+
+    def _draw(self, kind: str) -> bool:
+        with self.lock:
+            return self.rates[kind] > 0 and self.rng.random() < self.rates[kind]
+
+    def _note(self, kind: str, op: str, path: str, **extra) -> None:
+        if self.log is not None:
+            self.log.write(json.dumps({"t": round(time.time(), 3), "fault": kind, "op": op, "path": path, **extra}) + "\n")
+
+    def before(self, op: str, path: str) -> None:
+        """Called at the start of every operation: may hold it, or fail it."""
+        if time.monotonic() < self.stalled_until:
+            self._note("signal_stall", op, path)
+            while time.monotonic() < self.stalled_until:
+                time.sleep(0.05)
+        if self._draw("stall"):
+            self._note("stall", op, path, seconds=self.stall_s)
+            time.sleep(self.stall_s)
+        if self._draw("enotconn"):
+            self._note("enotconn", op, path)
+            raise fuse.FuseOSError(errno.ENOTCONN)
+        if op in self.READS and self._draw("eio"):
+            self._note("eio", op, path)
+            raise fuse.FuseOSError(errno.EIO)
+
+    def listing(self, path: str, names: list[str]) -> list[str]:
+        if names and self._draw("vanish"):
+            gone = self.rng.choice(names)
+            self._note("vanish", "readdir", path, entry=gone)
+            return [n for n in names if n != gone]
+        return names
 
 
 class Node:
@@ -67,8 +133,10 @@ class Node:
 class DriveFS(fuse.Operations):
     use_ns = True
 
-    def __init__(self, cache: str, cloud: str, trash: str, rate: float, quota: int | None, attrs: bool):
+    def __init__(self, cache: str, cloud: str, trash: str, rate: float, quota: int | None, attrs: bool,
+                 faults: Faults | None = None):
         self.cache, self.cloud, self.trash = cache, cloud, trash
+        self.faults = faults
         self.partial = cloud.rstrip("/") + ".partial"
         self.rate, self.quota, self.attrs = rate, quota, attrs
         self._lock = threading.RLock()
@@ -80,6 +148,8 @@ class DriveFS(fuse.Operations):
         self.cache_bytes = 0
         self.trashed = 0
         self._new_vm()
+        if faults is not None:
+            self._with_faults()
         threading.Thread(target=self._uploader, name="uploader", daemon=True).start()
 
     # -- setup -----------------------------------------------------------------------------------
@@ -187,6 +257,22 @@ class DriveFS(fuse.Operations):
         self.cache_bytes += new_size - old
 
     # -- filesystem operations -------------------------------------------------------------------
+    OPERATIONS = ("getattr", "readdir", "access", "statfs", "mkdir", "rmdir", "create", "open", "read", "write",
+                  "truncate", "flush", "fsync", "release", "unlink", "rename", "chmod", "chown", "utimens",
+                  "getxattr", "listxattr", "setxattr")
+
+    def _with_faults(self) -> None:
+        """Route every operation through `faults.before` (mfusepy calls the methods directly)."""
+        for op in self.OPERATIONS:
+            method = getattr(self, op)
+
+            def faulty(path, *args, _op=op, _method=method, **kwargs):
+                self.faults.before(_op, path)
+                return _method(path, *args, **kwargs)
+
+            faulty.__name__ = op  # mfusepy reports errors by the method's name
+            setattr(self, op, faulty)
+
     def getattr(self, path, fh=None):
         try:
             st = os.lstat(self._cache(path))
@@ -197,7 +283,10 @@ class DriveFS(fuse.Operations):
                 "st_ctime": st.st_ctime_ns}
 
     def readdir(self, path, fh):
-        return [".", "..", *os.listdir(self._cache(path))]
+        names = os.listdir(self._cache(path))
+        if self.faults is not None:
+            names = self.faults.listing(path, names)
+        return [".", "..", *names]
 
     def access(self, path, amode):
         if not os.path.exists(self._cache(path)):
@@ -400,11 +489,17 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=4e6, help="upload bytes per second")
     parser.add_argument("--quota", type=int, default=None, help="bytes of cache + Trash before ENOSPC")
     parser.add_argument("--no-attrs", action="store_true", help="answer ENODATA for the DriveFS attributes")
+    parser.add_argument("--faults", default="", help="eio=P,vanish=P,stall=P:S,enotconn=P (see the docstring)")
+    parser.add_argument("--seed", type=int, default=0, help="seeds the faults")
+    parser.add_argument("--fault-log", default=None, help="append each fault injected here, as a JSON line")
+    parser.add_argument("--stall-on-signal", type=float, default=0.0, help="SIGUSR2 stalls every operation for S s")
     args = parser.parse_args()
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>`: every thread's stack, to the log
     os.makedirs(args.cloud, exist_ok=True)
+    faults = (Faults(args.faults, args.seed, args.fault_log, args.stall_on_signal)
+              if args.faults or args.stall_on_signal else None)
     ops = DriveFS(os.path.abspath(args.cache), os.path.abspath(args.cloud), os.path.abspath(args.trash),
-                  args.rate, args.quota, not args.no_attrs)
+                  args.rate, args.quota, not args.no_attrs, faults)
     print("mounting", args.mountpoint, flush=True)
     # fsname/subtype make the mount read "drive on ... type fuse.drive", as Colab's DriveFS mount does.
     fuse.FUSE(ops, args.mountpoint, foreground=True, nothreads=False, fsname="drive", subtype="drive")

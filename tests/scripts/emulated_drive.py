@@ -41,13 +41,19 @@ class EmulatedDrive:
         rate: upload bytes per second.
         quota: bytes of cache + Trash before writes fail with ENOSPC (None: no limit).
         attrs: False mounts without DriveFS's upload attributes.
+        faults: the emulator's `--faults` ("eio=0.01,vanish=0.02,stall=0.005:3,enotconn=0.001"), seeded
+            by `seed` (each mount the next seed); every fault lands in `fault_log`.
+        stall_s: `stall()` holds every operation for this long (the emulator's --stall-on-signal).
     """
 
-    def __init__(self, root: str | os.PathLike, *, rate: float = 4e6, quota: int | None = None, attrs: bool = True):
+    def __init__(self, root: str | os.PathLike, *, rate: float = 4e6, quota: int | None = None, attrs: bool = True,
+                 faults: str = "", seed: int = 0, stall_s: float = 0.0):
         self.root = Path(root)
         self.mountpoint = self.root / "mnt"
         self.cache, self.cloud, self.trash = self.root / "cache", self.root / "cloud", self.root / "trash"
         self.rate, self.quota, self.attrs = rate, quota, attrs
+        self.faults, self.seed, self.stall_s = faults, seed, stall_s
+        self.fault_log = self.root / "faults.jsonl"
         self.proc: subprocess.Popen | None = None
         self.mounts = 0
 
@@ -60,6 +66,10 @@ class EmulatedDrive:
             cmd += ["--quota", str(self.quota)]
         if not self.attrs:
             cmd.append("--no-attrs")
+        if self.faults:
+            cmd += ["--faults", self.faults, "--seed", str(self.seed + self.mounts), "--fault-log", str(self.fault_log)]
+        if self.stall_s:
+            cmd += ["--stall-on-signal", str(self.stall_s)]
         log = open(self.root / f"emulator-{self.mounts}.log", "wb")
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self.mounts += 1
@@ -89,6 +99,18 @@ class EmulatedDrive:
         """Kill this VM's daemon and mount a fresh one from the cloud."""
         self.unmount()
         return self.mount()
+
+    def stall(self) -> None:
+        """Hold every operation of the mount for `stall_s` seconds from now (a stalled Drive)."""
+        os.kill(self.proc.pid, signal.SIGUSR2)
+
+    def faults_seen(self) -> list[dict]:
+        """Every fault the emulator injected so far, one dict each (fault, op, path, t)."""
+        import json
+
+        if not self.fault_log.exists():
+            return []
+        return [json.loads(line) for line in self.fault_log.read_text().splitlines() if line.strip()]
 
     def trash_bytes(self) -> int:
         return sum(p.stat().st_size for p in self.trash.iterdir()) if self.trash.exists() else 0

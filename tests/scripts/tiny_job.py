@@ -6,8 +6,10 @@
 
 --vocab makes checkpoints heavier (unused embedding rows); --prune-after written runs the pruning
 rule before 0.2; --hostname makes the job look as if it ran on another VM; --best adds
-load_best_model_at_end and early stopping. A live lease of another runtime ends the job with
-exit code 3.
+load_best_model_at_end and early stopping; --settle and --assumed-rate set start_run's settle
+rule (a mount without attributes); --timings FILE appends "step seconds time" for every optimizer
+step (the seconds since the previous step ended, less --step-sleep: what the loop waited for). A
+live lease of another runtime ends the job with exit code 3.
 
 --kill makes the job SIGKILL itself the K-th time it reaches PHASE, in the middle of the
 operation (half a chunk written, a manifest half renamed, ...):
@@ -113,7 +115,7 @@ def start(args, **overrides):
     import colab_kit as ck
 
     kwargs = dict(drive=args.drive, local_dir=args.local, save_every=args.save_every, keep=args.keep,
-                  heartbeat_s=args.heartbeat) | overrides
+                  heartbeat_s=args.heartbeat, settle=args.settle, assumed_rate=args.assumed_rate) | overrides
     started = time.monotonic()
     try:
         run = ck.start_run(args.name, **kwargs)
@@ -129,9 +131,16 @@ def run_trainer(args, killer: Killer):
 
     from colab_kit.tasks.demo import tiny_trainer
 
+    timings = open(args.timings, "a", buffering=1) if args.timings else None
+    last = [time.perf_counter()]
+
     class Hooks(TrainerCallback):
         def on_step_end(self, a, state, control, **kw):
+            if timings is not None:
+                now = time.perf_counter()
+                timings.write(f"{state.global_step} {now - last[0]:.4f} {time.time():.3f}\n")
             time.sleep(args.step_sleep)
+            last[0] = time.perf_counter()
             if killer.hit("step"):
                 die()
 
@@ -221,6 +230,9 @@ def main() -> None:
     parser.add_argument("--hostname", default=None)
     parser.add_argument("--kill", default=None)
     parser.add_argument("--step-sleep", type=float, default=0.0)
+    parser.add_argument("--settle", default="10min")
+    parser.add_argument("--assumed-rate", default="1MB/s")
+    parser.add_argument("--timings", default=None)
     parser.add_argument("--best", choices=["min", "max"], default=None,
                         help="load_best_model_at_end with early stopping, the metric minimised or maximised")
     args = parser.parse_args()

@@ -87,7 +87,7 @@ def test_the_full_preset_without_a_gpu_stops_at_once_unless_allowed(path, tmp_pa
 
 def run_to_the_end(notebook, workdir, run_name) -> tuple[Path, dict]:
     """Run the notebook once; it must succeed and leave a verified `final/`. Returns (run folder, metrics)."""
-    from colab_kit.checkpoints.manifest import verify_folder
+    from colab_kit.checkpoints.validity import verify_folder
 
     proc = run_notebook(notebook, workdir)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -128,7 +128,7 @@ def test_rna_notebook_killed_after_a_durable_checkpoint_resumes_and_finishes(tmp
 
 @pytest.mark.slow
 def test_rna_notebook_pretrains_the_scratch_model_in_its_own_run_then_fine_tunes(tmp_path):
-    from colab_kit.checkpoints.manifest import verify_folder
+    from colab_kit.checkpoints.validity import verify_folder
 
     proc = run_notebook(RNA, tmp_path, ("PRETRAIN_EPOCHS", "1"), ("EPOCHS", "2"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

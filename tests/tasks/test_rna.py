@@ -126,6 +126,7 @@ def test_kmer_tokens_are_overlapping_known_after_a_reload_and_reach_the_dataset(
 def test_kmer_masking_hides_whole_runs_so_neighbours_cannot_give_a_token_away():
     import torch
     from colab_kit.rna import as_token_text
+
     from colab_kit.tasks.rna.pretrain import _kmer_span_collator
 
     tokenizer = nucleotide_tokenizer(model_max_length=4096, k=3)
