@@ -188,7 +188,8 @@ def test_without_attributes_nothing_is_called_in_the_cloud(emulated_drive, tmp_p
     assert summary["in_cloud"] is False and summary["cloud_step"] is None
     events = read_events(tmp_path / "local" / "events.jsonl")
     assert not [e for e in events if e["event"] == "cloud"]
-    assert [e["step"] for e in events if e["event"] == "sync"] == [5, 10, 15, 20]
+    synced = [e["step"] for e in events if e["event"] == "sync"]
+    assert synced[-1] == 20 and set(synced) <= {5, 10, 15, 20}  # one saved while another uploads may be replaced
     remaining = list_checkpoints(run.drive_dir / "checkpoints")
     assert remaining and verify_folder(remaining[0][1]) is None  # pruning kept a checkpoint that verifies
 
