@@ -112,8 +112,10 @@ class CheckpointStore:
         self._owns_mirror = _mirror is None
         if _mirror is None:
             _mirror = Mirror(self.dir, keep=self.keep, journal=self._journal, notices=self._notices, kind=folder_kind(self.dir))
-            _mirror.adopt_existing()
         self._mirror = _mirror
+        # What is already in the folder is adopted (and may be pruned) only after restore_latest has
+        # looked at it, or at the first save: a damaged checkpoint is named to the user, not just deleted.
+        self._adopted = not self._owns_mirror
         self.extra: dict = {}
         self._closed = False
 
@@ -132,6 +134,7 @@ class CheckpointStore:
 
         if self._closed:
             raise CheckpointError("this CheckpointStore is closed; create a new one to save again")
+        self._adopt()
         step = int(step)
         staging = self.local_dir / f".staging-{step}-{uuid.uuid4().hex[:8]}"
         staging.mkdir(parents=True)
@@ -182,6 +185,7 @@ class CheckpointStore:
 
         found = find_latest([("drive", self.dir / CHECKPOINTS), ("local", self.local_dir)],
                             self.local_dir, on_skip=skipped)
+        self._adopt()
         self._notices.show()
         if found is None:
             return None
@@ -206,6 +210,11 @@ class CheckpointStore:
         _set_rng_state(torch.load(path / RNG_FILE, weights_only=True))
         self._journal.write("resume", step=found.step, origin=found.origin, source=str(found.source))
         return found.step
+
+    def _adopt(self) -> None:
+        if not self._adopted:
+            self._adopted = True
+            self._mirror.adopt_existing()
 
     # -- lifecycle -----------------------------------------------------------------------------
     def wait(self, timeout: float | None = None) -> bool:
