@@ -37,6 +37,12 @@ def _no_fuse(reason: str):
     pytest.skip(f"the DriveFS emulator needs FUSE: {reason}")
 
 
+def pytest_collection_modifyitems(items):
+    """The long tests (marked slow: subprocesses, notebooks, emulated Drives) first: with several workers
+    the short ones then fill the gaps at the end, instead of one long test running alone."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 @pytest.fixture
 def emulated_drive(tmp_path):
     """Makes DriveFS emulators: `emulated_drive(rate=4e6, quota=None, attrs=True)` returns a mounted

@@ -37,6 +37,7 @@ def test_parameter_values_are_python_literals_or_text(text, value):
     assert _literal(text) == value
 
 
+@pytest.mark.slow
 def test_run_executes_a_notebook_with_parameters(tmp_path, monkeypatch):
     nb = nbformat.v4.new_notebook()
     params = nbformat.v4.new_code_cell("STEPS = 1\nNAME = 'x'")
@@ -54,6 +55,7 @@ def test_run_executes_a_notebook_with_parameters(tmp_path, monkeypatch):
     assert (tmp_path / "outputs" / "tiny.ipynb").exists()
 
 
+@pytest.mark.slow
 def test_run_reports_the_failing_cell(tmp_path, monkeypatch):
     nb = nbformat.v4.new_notebook()
     nb.cells = [nbformat.v4.new_code_cell("raise ValueError('bad input file')")]
@@ -65,6 +67,7 @@ def test_run_reports_the_failing_cell(tmp_path, monkeypatch):
     assert proc.returncode == 1 and "ValueError: bad input file" in proc.stderr
 
 
+@pytest.mark.slow
 def test_demo_runs_and_a_second_run_does_not_train_again(tmp_path):
     cmd = [sys.executable, "-m", "colab_kit", "demo", "--steps", "30", "--drive", str(tmp_path / "d")]
     first = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)

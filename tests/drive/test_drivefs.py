@@ -188,8 +188,9 @@ def test_without_attributes_nothing_is_called_in_the_cloud(emulated_drive, tmp_p
     assert summary["in_cloud"] is False and summary["cloud_step"] is None
     events = read_events(tmp_path / "local" / "events.jsonl")
     assert not [e for e in events if e["event"] == "cloud"]
-    # Uploads are thinned to the assumed rate (nothing reports them): newer saves replace waiting ones
-    assert [e["step"] for e in events if e["event"] == "sync"][-1] == 20
+    # Uploads are spaced by the assumed rate (nothing reports them): newer saves replace waiting ones
+    synced = [e["step"] for e in events if e["event"] == "sync"]
+    assert synced[-1] == 20 and set(synced) <= {5, 10, 15, 20}  # one saved while another uploads may be replaced
     remaining = list_checkpoints(run.drive_dir / "checkpoints")
     assert remaining and verify_folder(remaining[0][1]) is None  # pruning kept a checkpoint that verifies
 

@@ -68,6 +68,7 @@ def test_every_code_cell_is_one_short_step(path):
             assert len(lines) <= 18, f"a {len(lines)}-line cell: {lines[0]}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_the_full_preset_without_a_gpu_stops_at_once_unless_allowed(path, tmp_path):
     started = time.monotonic()
