@@ -15,7 +15,8 @@ import math
 import random
 from dataclasses import dataclass
 
-from ..runtime import GpuInfo, require_gpu
+from ..runtime import GpuInfo
+from .presets import preset_values
 
 __all__ = ["TextSettings", "resolve_settings", "PRESETS", "generate_corpus", "train_bpe_tokenizer",
            "tokenize_and_group", "perplexity", "samples", "seed_model", "seed_arguments"]
@@ -53,11 +54,7 @@ def resolve_settings(preset: str, *, epochs: int | None = None, learning_rate: f
         ValueError: a parameter that cannot work, with the value to use instead.
         ColabKitError: the `full` preset on a runtime without a GPU, unless `allow_cpu`.
     """
-    if preset not in PRESETS:
-        raise ValueError(f"PRESET={preset!r}: use 'full' or 'quick'")
-    if preset == "full":  # stop within seconds on a runtime without a GPU, unless told otherwise
-        require_gpu('PRESET = "full"', allow_cpu=allow_cpu, cpu_time="hours", gpu=gpu)
-    chosen = PRESETS[preset]
+    chosen = preset_values(preset, PRESETS, allow_cpu=allow_cpu, cpu_time="hours", gpu=gpu)
     n_epochs = epochs or chosen["epochs"]
     if type(n_epochs) is not int or n_epochs < 1:
         raise ValueError(f"EPOCHS={epochs!r}: give a whole number of epochs >= 1, or None ({chosen['epochs']})")

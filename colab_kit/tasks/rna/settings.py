@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...runtime import GpuInfo, require_gpu
+from ...runtime import GpuInfo
+from ..presets import preset_values
 from .model import MAX_K
 
 __all__ = ["RnaSettings", "resolve_settings", "PRESETS", "SCRATCH_MODELS"]
@@ -77,13 +78,9 @@ def resolve_settings(preset: str, *, model: str | None = None, train_data: str |
         ValueError: a parameter that cannot work, with the value to use instead.
         ColabKitError: the `full` preset on a runtime without a GPU, unless `allow_cpu`.
     """
-    if preset not in PRESETS:
-        raise ValueError(f"PRESET={preset!r}: use 'full' or 'quick'")
-    if preset == "full":  # stop within seconds on a runtime without a GPU, unless told otherwise
-        require_gpu('PRESET = "full"', allow_cpu=allow_cpu, cpu_time=_FULL_ON_CPU, gpu=gpu)
+    chosen = preset_values(preset, PRESETS, allow_cpu=allow_cpu, cpu_time=_FULL_ON_CPU, gpu=gpu)
     if (train_data is None) != (test_data is None):
         raise ValueError("give both TRAIN_DATA and TEST_DATA, or neither (the preset's data)")
-    chosen = PRESETS[preset]
     name = model or chosen["model"]
     if name not in SCRATCH_MODELS and not name.startswith("multimolecule/"):
         raise ValueError(f"MODEL={name!r}: use None (the preset's model), 'multimolecule/rnafm' (or another "
