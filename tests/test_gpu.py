@@ -3,16 +3,31 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+import warm
 from project import ROOT  # noqa: E402
 
 
 def run_script(*args, timeout=900):
-    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-    start = proc.stdout.index("{\n")
-    return proc.returncode, json.loads(proc.stdout[start:proc.stdout.rindex("}") + 1]), proc
+    """Run a bench script as `python SCRIPT ARGS` would (on a CUDA machine), or on a CPU as a fork of the
+    warm test process (tests/scripts/warm.py: torch and transformers are imported already)."""
+    if torch.cuda.is_available():
+        proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+        code, out = proc.returncode, proc.stdout + proc.stderr
+    else:
+        import os
+        import tempfile
+
+        log = Path(tempfile.mkdtemp(prefix="gpu-smoke-")) / "out.txt"
+        job = warm.start(list(args[1:]), env=dict(os.environ), cwd=ROOT, out=log, script=str(ROOT / args[0]))
+        code = job.wait(timeout)
+        out = log.read_text(errors="replace")
+    start = out.index("{\n")
+    return code, json.loads(out[start:out.rindex("}") + 1]), SimpleNamespace(stdout=out, stderr="")
 
 
 @pytest.mark.slow

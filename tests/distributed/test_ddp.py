@@ -275,7 +275,7 @@ def test_a_notebook_runs_as_a_script_under_torchrun(tmp_path):
             continue
         source = "".join(cell["source"])
         if "parameters" in (cell["metadata"].get("tags") or []):  # what papermill's -p would inject
-            source += f'\nPRESET = "quick"\nDRIVE_DIR = {str(tmp_path / "drive")!r}\n'
+            source += f'\nPRESET = "quick"\nDRIVE_DIR = {str(tmp_path / "drive")!r}\nMAX_STEPS = 12\n'
         cells.append(source)
     script = tmp_path / "distilgpt2_finetune.py"
     cells.append("import torch.distributed\ntorch.distributed.destroy_process_group()")  # the README's last line

@@ -78,11 +78,18 @@ def _run(script: str, argv: list[str], env: dict, cwd: str, out: str) -> None:
         import torch
 
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
-    job = __import__(script)
-
     code = 0
     try:
-        job.main()
+        if script.endswith(".py"):  # a script by its path, run as `python script.py` would
+            import runpy
+
+            runpy.run_path(script, run_name="__main__")
+        elif script.startswith("-m "):  # a module, as `python -m module` would
+            import runpy
+
+            runpy.run_module(script[3:], run_name="__main__", alter_sys=True)
+        else:
+            __import__(script).main()
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     except BaseException:  # noqa: BLE001 - reported in the job's output, as a crashing script would
@@ -135,9 +142,10 @@ class WarmJob:
 
 
 def start(argv: list[str], *, env: dict, cwd: Path, out: Path, script: str = "tiny_job") -> WarmJob:
-    """Fork a job running `<script>.py` with `argv` (its arguments after the script's name)."""
-    process = _ctx().Process(target=_run, args=(script, [f"{script}.py", *argv], env, str(cwd), str(out)),
-                             daemon=False)
+    """Fork a job running `script` with `argv` (its arguments after the script's name): a module of
+    tests/scripts by name (its `main()`), any Python file by its path, or "-m package" (`python -m`)."""
+    name = script if script.endswith(".py") else script[3:] if script.startswith("-m ") else f"{script}.py"
+    process = _ctx().Process(target=_run, args=(script, [name, *argv], env, str(cwd), str(out)), daemon=False)
     process.start()
     return WarmJob(process, Path(out))
 

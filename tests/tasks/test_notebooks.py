@@ -79,8 +79,10 @@ def test_the_full_preset_without_a_gpu_stops_at_once_unless_allowed(path, tmp_pa
     assert "T4 GPU" in text and "ALLOW_CPU = True" in text
     assert not (tmp_path / "drive").exists()  # stopped before start_run made anything
     assert seconds < 90, f"took {seconds:.0f} s (kernel start included)"
-    # ALLOW_CPU=True goes past the check (and here stops later, at the model download: no network, and
-    # offline at once rather than after the hub's connection timeouts)
+    if path != RNA:
+        return  # the GPT-2 notebook's full preset runs with ALLOW_CPU in test_full_rehearsal.py, always
+    # ALLOW_CPU=True goes past the check (and here stops later, at the download: no network, and offline
+    # at once rather than after the hub's connection timeouts); the RNA rehearsal needs the nRC files.
     allowed = run_notebook(path, tmp_path, ("PRESET", "full"), ("ALLOW_CPU", "True"), ("MAX_STEPS", "1"),
                            env={"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
     assert "needs a GPU" not in allowed.stdout + allowed.stderr and (tmp_path / "drive").exists()
@@ -119,12 +121,13 @@ def test_rna_quick_preset_runs_headless_and_learns(tmp_path):
 
 @pytest.mark.slow
 def test_rna_notebook_killed_after_a_durable_checkpoint_resumes_and_finishes(tmp_path):
+    # 60 steps (a checkpoint every 40): learning to the end is test_rna_quick_preset_runs_headless_and_learns
     run_dir = tmp_path / "drive" / "rna-bert"
-    durable, second = kill_after_first_durable_checkpoint_and_rerun(RNA, tmp_path, run_dir)
+    durable, second = kill_after_first_durable_checkpoint_and_rerun(RNA, tmp_path, run_dir, ("MAX_STEPS", "60"))
     resumed = [e for e in second if e["event"] == "resume"]
     assert resumed and resumed[0]["step"] >= durable
     summary = json.loads((run_dir / "metrics.json").read_text())
-    assert summary["steps"] == 116 and summary["metrics"]["test"]["accuracy"] >= 0.9  # 4 epochs of 29 steps
+    assert summary["steps"] == 60 and 0 <= summary["metrics"]["test"]["accuracy"] <= 1
 
 
 @pytest.mark.slow
@@ -175,7 +178,7 @@ def test_gpt2_quick_preset_runs_headless_and_lowers_perplexity(tmp_path):
 @pytest.mark.slow
 def test_gpt2_notebook_killed_after_a_durable_checkpoint_resumes_and_finishes(tmp_path):
     run_dir = tmp_path / "drive" / "distilgpt2-wikitext"
-    durable, second = kill_after_first_durable_checkpoint_and_rerun(GPT2, tmp_path, run_dir, ("EPOCHS", "4"))
+    durable, second = kill_after_first_durable_checkpoint_and_rerun(GPT2, tmp_path, run_dir, ("MAX_STEPS", "40"))
     resumed = [e for e in second if e["event"] == "resume"]
     assert resumed and resumed[0]["step"] >= durable
-    assert json.loads((run_dir / "metrics.json").read_text())["steps"] == 60
+    assert json.loads((run_dir / "metrics.json").read_text())["steps"] == 40
