@@ -13,10 +13,12 @@ EIO, errno 107, a file missing from a listing for a moment), one named operation
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import shutil
+import time
 import uuid
 from pathlib import Path
 
@@ -35,9 +37,13 @@ __all__ = [
     "remove_tree",
     "is_temp_name",
     "fsync_dir",
+    "patiently",
+    "LASTING",
 ]
 
 CHUNK = 8 << 20
+# Failures that another try will not mend: a full, read-only or forbidden folder.
+LASTING = (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT)
 _TMP_MARK = ".tmp-"
 
 
@@ -173,3 +179,16 @@ def remove_tree(path: str | os.PathLike) -> None:
     through `drivefs.TrashFreeDeleter` instead."""
     if os.path.isdir(path):
         shutil.rmtree(path)
+
+
+def patiently(action, waits=(1.0, 2.0, 4.0)):
+    """`action()`, tried again after each of `waits` (seconds) when it fails in a way that may pass
+    (EIO, errno 107, a stall): on Drive, doubt costs time. A `LASTING` failure is raised at once."""
+    for wait in waits:
+        try:
+            return action()
+        except OSError as exc:
+            if exc.errno in LASTING:
+                raise
+            time.sleep(wait)
+    return action()

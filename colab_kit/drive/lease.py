@@ -18,7 +18,6 @@ checks that the lease is still its own (`check`) before every upload, publish an
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
@@ -38,7 +37,6 @@ __all__ = ["LEASE", "LeaseInfo", "Lease", "read_lease", "lease_staleness"]
 
 LEASE = "lease.json"
 STALE_AFTER_BEATS = 4
-_LASTING = (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT)  # not worth a second try
 WATCH_BEATS = 1.5  # how long a live lease of another host is watched before it counts as dead
 log = logging.getLogger(__name__)
 
@@ -176,16 +174,8 @@ class Lease:
         return previous if taken else None
 
     def _write_patiently(self, waits=(0.5, 1.0, 2.0)) -> None:
-        """Write the lease, again after a failure that may pass (EIO, errno 107: not a full or
-        read-only folder, which would not pass)."""
-        for wait in waits:
-            try:
-                return self._write()
-            except OSError as exc:
-                if exc.errno in _LASTING:
-                    raise
-                time.sleep(wait)
-        self._write()
+        """Write the lease, again after a failure that may pass (not a full or read-only folder)."""
+        storage.patiently(self._write, waits)
 
     def _read_patiently(self, run_name: str, waits=(0.5, 1.0, 2.0)) -> LeaseInfo | None:
         """The lease, read again after a failed read (a failed read is never "no lease").

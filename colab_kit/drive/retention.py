@@ -180,7 +180,6 @@ class Pruner:
         return None
 
 
-
 def unfinished_folders(root: Path) -> list[Path]:
     """The checkpoint folders under `root` without a manifest now (an empty list when it cannot be read)."""
     try:

@@ -10,7 +10,6 @@ and `run.train` continues from it.
 from __future__ import annotations
 
 import atexit
-import errno
 import json
 import logging
 import os
@@ -91,19 +90,6 @@ def _archive_checkpoints(drive_dir: Path, local_dir: Path) -> Path | None:
     for _, path in list_checkpoints(local_dir):
         shutil.rmtree(path, ignore_errors=True)
     return moved
-
-
-def _patiently(action, waits=RETRY_WAITS):
-    """`action()`, again after a failure that may pass (EIO, errno 107, a stall): doubt costs time.
-    A full, read-only or forbidden folder fails at once."""
-    for wait in waits:
-        try:
-            return action()
-        except OSError as exc:
-            if exc.errno in (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT):
-                raise
-            time.sleep(wait)
-    return action()
 
 
 def _unreadable_error(name: str, drive_dir: Path, unreadable: list[tuple[Path, str]]) -> DriveError:
@@ -216,7 +202,7 @@ def start_run(name: str, *, drive: str | os.PathLike | None = None, local_dir: s
     root, on_drive = resolve_root(drive)
     drive_dir = root / name
     try:
-        _patiently(lambda: storage.make_dirs(drive_dir / CHECKPOINTS))
+        storage.patiently(lambda: storage.make_dirs(drive_dir / CHECKPOINTS), RETRY_WAITS)
     except OSError as exc:
         raise DriveError(f"cannot create the run folder {drive_dir}: {exc}. Check that the folder "
                          f"is writable (and, on Drive, that it is not full), or pass drive='<another "

@@ -141,7 +141,7 @@ def test_a_stalled_drive_never_stalls_the_training_loop(tmp_path, emulated_drive
     # Every operation of the mount held for 5 s, twice, while the job trains and saves every 2 steps.
     drive = emulated_drive(rate=20e6, stall_s=5.0)
     timings = tmp_path / "timings.txt"
-    job = harness.Job(tmp_path, steps=80, save_every=2, step_sleep=0.1, drive_root=drive.mountpoint,
+    job = harness.Job(tmp_path, steps=160, save_every=2, step_sleep=0.1, drive_root=drive.mountpoint,
                       extra=["--timings", str(timings)])
     proc = job.start()
     assert wait_for_event(job, proc, "save")
