@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 
 import harness  # noqa: E402
 import pytest
@@ -131,8 +132,11 @@ def test_a_faulty_drive_costs_time_never_a_checkpoint(tmp_path, emulated_drive, 
     drive = emulated_drive(rate=rate, attrs=attrs, faults=FAULTS, seed=int(rate) + attrs)
     # Kills land anywhere from the first save to well past one checkpoint's upload time (~21 MB).
     seen = disconnect_scenario(tmp_path, drive, heavy_reference, seed=7, delay=2.0 + 1.5 * 21.6e6 / rate)
-    kinds = {f["fault"] for f in seen["faults"]}
-    assert {"eio", "vanish", "stall"} <= kinds, kinds  # the faults did happen (the log is the emulator's)
+    kinds = Counter(f["fault"] for f in seen["faults"])
+    print(f"{seen['kills']} kills, faults injected: {dict(kinds)}")
+    # The faults did happen (the log is the emulator's). A listing's entry hidden for a moment is drawn
+    # per listing, and runs without attributes list rarely: test_retention.py and test_doubt.py have it.
+    assert kinds["eio"] and kinds["stall"] and sum(kinds.values()) >= 10, kinds
     if not attrs:
         assert seen["claims"] == 0  # where nothing reports uploads, nothing is ever called in the cloud
 

@@ -45,6 +45,7 @@ def start(drive, local, name="t", **kw):
 
 
 def events(run, kind=None):
+    run.journal.flush(timeout=5)  # lines reach Drive from the mirror's thread, a moment later
     found = read_events(run.drive_dir / "events.jsonl")
     return [e for e in found if kind is None or e["event"] == kind]
 

@@ -78,7 +78,15 @@ class Faults:
         self.signal_stall_s = stall_on_signal
         self.stalled_until = 0.0
         if stall_on_signal:
-            signal.signal(signal.SIGUSR2, lambda *_: setattr(self, "stalled_until", time.monotonic() + stall_on_signal))
+            # The main thread sits in libfuse's C loop, where a Python signal handler never runs: SIGUSR2 is
+            # blocked here (libfuse's threads inherit the mask) and a thread of its own waits for it.
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2})
+            threading.Thread(target=self._stall_on_signal, daemon=True).start()
+
+    def _stall_on_signal(self) -> None:
+        while True:
+            signal.sigwait({signal.SIGUSR2})
+            self.stalled_until = time.monotonic() + self.signal_stall_s
 
     def _draw(self, kind: str) -> bool:
         with self.lock:

@@ -67,9 +67,11 @@ class EmulatedDrive:
         if not self.attrs:
             cmd.append("--no-attrs")
         if self.faults:
-            cmd += ["--faults", self.faults, "--seed", str(self.seed + self.mounts), "--fault-log", str(self.fault_log)]
+            cmd += ["--faults", self.faults, "--seed", str(self.seed + self.mounts)]
         if self.stall_s:
             cmd += ["--stall-on-signal", str(self.stall_s)]
+        if self.faults or self.stall_s:
+            cmd += ["--fault-log", str(self.fault_log)]
         log = open(self.root / f"emulator-{self.mounts}.log", "wb")
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self.mounts += 1
