@@ -21,6 +21,7 @@ from . import storage
 __all__ = ["EVENTS", "Journal", "SilentJournal", "read_events"]
 
 EVENTS = "events.jsonl"
+_INLINE_WAIT_S = 10.0
 log = logging.getLogger(__name__)
 
 
@@ -82,8 +83,8 @@ class Journal:
             self._pending.append(line)
         if self.on_pending is not None:
             self.on_pending()
-        else:  # no flusher thread (before the mirror starts, after it stopped): the writer flushes
-            self.flush()
+        else:  # no flusher thread (before the mirror starts, after it stopped): the writer flushes,
+            self.flush(timeout=_INLINE_WAIT_S)  # waiting a bounded time for a flush stuck on Drive
         return record
 
     def flush(self, timeout: float | None = None) -> bool:
