@@ -130,8 +130,8 @@ FAULTS = "eio=0.01,vanish=0.02,stall=0.005:3,enotconn=0.002"
 @pytest.mark.parametrize("rate", [2e6, 20e6], ids=["2MBps", "20MBps"])
 def test_a_faulty_drive_costs_time_never_a_checkpoint(tmp_path, emulated_drive, heavy_reference, attrs, rate):
     drive = emulated_drive(rate=rate, attrs=attrs, faults=FAULTS, seed=int(rate) + attrs)
-    # Kills land anywhere from the first save to well past one checkpoint's upload time (~21 MB).
-    seen = disconnect_scenario(tmp_path, drive, heavy_reference, seed=7, delay=2.0 + 1.5 * 21.6e6 / rate)
+    # Kills land anywhere from the first save to past one checkpoint's upload time (~21 MB).
+    seen = disconnect_scenario(tmp_path, drive, heavy_reference, seed=7, delay=2.0 + 21.6e6 / rate)
     kinds = Counter(f["fault"] for f in seen["faults"])
     print(f"{seen['kills']} kills, faults injected: {dict(kinds)}")
     # The faults did happen (the log is the emulator's). A listing's entry hidden for a moment is drawn
