@@ -82,11 +82,10 @@ class KeptCopies:
 
     def release_safe(self) -> None:
         """Let go of the copies whose checkpoint is safe, pruned or forgotten."""
+        settled = self.tracker.settled_steps(self.settle_age) if self.tracker.kind == UNCONFIRMED else set()
         for step, snap in list(self._kept.items()):
             upload = self.tracker.get(f"checkpoint-{step}")
-            settled = (upload is not None and self.tracker.kind == UNCONFIRMED
-                       and time.time() - upload.written_at >= self.settle_age(upload.bytes))
-            if upload is None or upload.confirmed is not None or settled:
+            if upload is None or upload.confirmed is not None or step in settled:
                 discard(self._kept.pop(step))
 
     def discard_all(self) -> None:
