@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import errno
+import importlib.machinery
 import os
 import sys
 import threading
@@ -150,6 +151,8 @@ def fake_colab(monkeypatch, tmp_path):
     colab.drive = drive_mod
     google.colab = colab
     google.__path__ = []
+    for module in (google, colab, drive_mod):  # importlib.util.find_spec (transformers asks) needs a spec
+        module.__spec__ = importlib.machinery.ModuleSpec(module.__name__, None)
     monkeypatch.setitem(sys.modules, "google", google)
     monkeypatch.setitem(sys.modules, "google.colab", colab)
     monkeypatch.setitem(sys.modules, "google.colab.drive", drive_mod)
