@@ -9,6 +9,7 @@ __all__ = [
     "LeaseHeldError",
     "ResumeMismatchError",
     "CheckpointError",
+    "RankFailedError",
 ]
 
 
@@ -30,6 +31,10 @@ class ResumeMismatchError(ColabKitError):
 
 class CheckpointError(ColabKitError):
     """A checkpoint cannot be saved or loaded."""
+
+
+class RankFailedError(ColabKitError):
+    """Another process of the same launch failed during a step; this one stops with it."""
 
 
 class ColabKitWarning(UserWarning):

@@ -10,6 +10,7 @@ The ranks come from the environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_S
 `accelerate launch` and `notebook_launcher` set them), because `start_run` usually runs before
 the Trainer has created the process group. Collectives are used only once it exists; without
 it every helper here is the single-process answer, so the kit's code calls them unconditionally.
+How a step ended is agreed in `agreement.py`; gradients are averaged in `gradients.py`.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = ["Ranks", "detect", "group", "barrier", "from_writer", "broadcast_object", "all_agree", "sum_over_ranks",
-           "agree_micro_batch", "gather_rank_files", "rank_files_missing", "reduce_gradients", "unwrap_ddp"]
+           "gather_rank_files", "rank_files_missing"]
 
 
 @dataclass(frozen=True)
@@ -150,21 +151,6 @@ def all_agree(ok: bool) -> list[int]:
     return [r for r, bad in enumerate(flags.tolist()) if bad]
 
 
-def agree_micro_batch(micro: int, failed: bool) -> tuple[int, list[int]]:
-    """Every rank adopts the smallest micro-batch and learns which ranks ran out of memory, so that
-    all of them retry a step together and no rank waits in a collective the others never reach."""
-    dist = group()
-    if dist is None:
-        return micro, [0] if failed else []
-    import torch
-
-    values = torch.zeros(dist.get_world_size() + 1, dtype=torch.int64, device=_device(dist))
-    values[0] = -micro
-    values[1 + dist.get_rank()] = int(failed)
-    dist.all_reduce(values, op=dist.ReduceOp.MAX)
-    return int(-values[0]), [r for r, bad in enumerate(values[1:].tolist()) if bad]
-
-
 def gather_rank_files(folder: Path, names: list[str]) -> int:
     """Copy each rank's `names` (small files, such as its RNG state) into rank 0's `folder`, where rank 0
     cannot see them (another node's local disk). Collective; returns how many files rank 0 wrote."""
@@ -194,45 +180,3 @@ def rank_files_missing(folder: Path, world_size: int) -> list[str]:
     if world_size < 2:
         return []
     return [f"rng_state_{r}.pth" for r in range(world_size) if not (Path(folder) / f"rng_state_{r}.pth").is_file()]
-
-
-# -- gradients ---------------------------------------------------------------------------------
-
-def unwrap_ddp(model):
-    """The module inside DistributedDataParallel (its forward and backward run no collective), or None."""
-    torch = sys.modules.get("torch")
-    ddp = getattr(getattr(getattr(torch, "nn", None), "parallel", None), "DistributedDataParallel", None)
-    return model.module if ddp is not None and isinstance(model, ddp) else None
-
-
-def reduce_gradients(module) -> None:
-    """Average the gradients of `module`'s parameters across ranks, as DDP's backward would have.
-
-    A parameter with a gradient on some ranks only gets zeros on the others (DDP's handling of
-    unused parameters); one with no gradient anywhere keeps None. Gradients are flattened per
-    dtype and device so that a step costs a few collectives, not one per tensor.
-    """
-    dist = group()
-    if dist is None:
-        return
-    import torch
-    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-
-    params = [p for p in module.parameters() if p.requires_grad]
-    device = _device(dist)
-    has = torch.tensor([int(p.grad is not None) for p in params], dtype=torch.int64, device=device)
-    dist.all_reduce(has, op=dist.ReduceOp.MAX)
-    for p, anywhere in zip(params, has.tolist()):
-        if anywhere and p.grad is None:
-            p.grad = torch.zeros_like(p)
-    buckets: dict = {}
-    for p in params:
-        if p.grad is not None:
-            buckets.setdefault((p.grad.dtype, p.grad.device), []).append(p.grad)
-    world = dist.get_world_size()
-    for grads in buckets.values():
-        flat = _flatten_dense_tensors(grads)
-        dist.all_reduce(flat)
-        flat /= world
-        for grad, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
-            grad.copy_(reduced)

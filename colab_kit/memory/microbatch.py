@@ -4,8 +4,10 @@
 gradient_accumulation_steps) as one batch, with accumulation 1: the same samples, in the same
 order, make up each optimizer step, and the step count and schedule are unchanged. The
 Trainer's `training_step` is then replaced, on this trainer instance only, by one that runs
-that batch as micro-batches of a learned size (`oom.MicroBatcher`), each loss weighted by its
-share of the label items, halving on OOM. Evaluation gets its own micro-batch the same way.
+that batch as micro-batches of a learned size (`oom.MicroBatcher`), halving on OOM. Each
+micro-batch's loss is weighted so that the step's loss, gradients and clipping equal the Trainer's
+unsplit step in every way the Trainer normalises a loss (`_normalisation`). Evaluation gets its
+own micro-batch the same way; a micro-batch without label items never turns its mean into NaN.
 
 The working size is kept in `<drive_dir>/micro_batch.json`, keyed by GPU name, model
 fingerprint and sequence length, so a resumed run starts with it.
@@ -13,66 +15,19 @@ fingerprint and sequence length, so a resumed run starts with it.
 
 from __future__ import annotations
 
-import json
 import logging
-import time
 from collections.abc import Mapping
-from pathlib import Path
 
 from .._units import format_bytes
-from ..checkpoints import storage
-from ..distributed import ranks
+from ..distributed.agreement import agree_outcome
+from ..distributed.gradients import reduce_gradients, unwrap_ddp
+from .learned import MICRO_BATCH_FILE, MicroBatchMemory
 from .oom import ELSEWHERE, MicroBatcher, batch_size, describe_memory, memory_numbers
 from .recipes import checkpointing_requested
 
 __all__ = ["MICRO_BATCH_FILE", "MicroBatchMemory", "TrainerMicroBatching"]
 
-MICRO_BATCH_FILE = "micro_batch.json"
 log = logging.getLogger(__name__)
-
-
-class MicroBatchMemory:
-    """The micro-batch that worked, per (GPU, model fingerprint, sequence length), in a JSON file.
-
-    Args:
-        write: how the file is written; `run.train` hands it to the mirror's thread
-            (`Mirror.write_later`), so that a back-off never waits for Drive. Default: at once.
-    """
-
-    def __init__(self, path: str | Path, notices=None, write=None):
-        self.path = Path(path)
-        self.notices = notices
-        self._write = write
-        try:
-            self.entries = list(json.loads(storage.read_bytes(self.path)).get("entries", []))
-        except (OSError, ValueError, AttributeError):
-            self.entries = []
-
-    def lookup(self, gpu: str, model: str, seq_len: int) -> int | None:
-        """The size learned for the tightest recorded length >= `seq_len`; for a longer sequence
-        than any recorded, the smallest size known for this GPU and model."""
-        mine = [e for e in self.entries if e["gpu"] == gpu and e["model"] == model]
-        if not mine:
-            return None
-        longer = [e for e in mine if e["max_seq_len"] >= seq_len]
-        if longer:
-            return min(longer, key=lambda e: (e["max_seq_len"], e["micro_batch"]))["micro_batch"]
-        return min(e["micro_batch"] for e in mine)
-
-    def record(self, gpu: str, model: str, seq_len: int, micro: int) -> None:
-        self.entries = [e for e in self.entries
-                        if (e["gpu"], e["model"], e["max_seq_len"]) != (gpu, model, seq_len)]
-        self.entries.append({"gpu": gpu, "model": model, "max_seq_len": int(seq_len),
-                             "micro_batch": int(micro), "time": time.time()})
-        document = {"entries": list(self.entries)}
-        if self._write is not None:
-            self._write(self.path, document)
-            return
-        try:
-            storage.atomic_write_json(self.path, document)
-        except OSError as exc:  # kept in memory for this session; Drive trouble is reported elsewhere
-            if self.notices is not None:
-                self.notices.add(f"could not save the learned micro-batch to {self.path}: {exc}")
 
 
 def _seq_len(batch) -> int:
@@ -97,6 +52,18 @@ def _concat(parts: list):
     if isinstance(first, (list, tuple)):
         return type(first)(_concat(list(group)) for group in zip(*parts))
     return first
+
+
+def _weighted_loss(losses: list, items: list[int]):
+    """The batch's mean loss from its micro-batches' means: weighted by their label items. A
+    micro-batch without any (all -100) has a NaN mean and no weight: it is left out, since NaN x 0
+    is still NaN. Without label items anywhere, every micro-batch counts alike."""
+    if losses[0] is None:
+        return None
+    if sum(items) <= 0:
+        items = [1] * len(losses)
+    total = sum(items)
+    return sum(loss * (n / total) for loss, n in zip(losses, items) if n > 0)
 
 
 class TrainerMicroBatching:
@@ -144,6 +111,7 @@ class TrainerMicroBatching:
         args.gradient_accumulation_steps = 1
         t._train_batch_size = args.train_batch_size
         t.training_step = self.training_step
+        self._guarded = None
         self._prediction_step = t.prediction_step  # bound: a subclass's own prediction_step is kept
         t.prediction_step = self.prediction_step
         return True
@@ -158,6 +126,9 @@ class TrainerMicroBatching:
         t._train_batch_size = self._saved["train_batch"]
         for name in ("training_step", "prediction_step"):
             t.__dict__.pop(name, None)
+        if self._guarded is not None:
+            vars(self._guarded).pop("step", None)
+            self._guarded = None
         self._saved = None
 
     # -- training ------------------------------------------------------------------------------
@@ -201,31 +172,79 @@ class TrainerMicroBatching:
         # Under DDP the micro-batches run through the wrapped module: its forward and backward then
         # run no collective, so a rank that runs out of memory half-way leaves no other rank
         # waiting in one. The ranks agree on the outcome, then the gradients are averaged once.
-        inner = ranks.unwrap_ddp(model)
+        inner = unwrap_ddp(model)
         net = inner if inner is not None else model
         if hasattr(t.optimizer, "train") and callable(t.optimizer.train):
             t.optimizer.train()
-        custom_loss = t.compute_loss_func is not None
+        self._guard_optimizer()
+        items, weight, total = self._normalisation(num_items_in_batch)
 
         def forward(chunk):
             chunk = t._prepare_inputs(chunk)
             with t.compute_loss_context_manager():
-                if custom_loss:  # the user's loss normalises by the whole batch's item count
-                    loss = t.compute_loss(net, chunk, num_items_in_batch=num_items_in_batch)
-                else:  # the model's own mean over this micro-batch, weighted below
-                    loss = t.compute_loss(net, chunk)
+                loss = t.compute_loss(net, chunk, num_items_in_batch=items) if items is not None else \
+                    t.compute_loss(net, chunk)
             return loss.mean() if t.args.n_gpu > 1 else loss
 
         self._remembered(self.train, inputs)
         self._seq = _seq_len(inputs)
         loss = self.train.step(inputs, forward, zero_grad=lambda: model.zero_grad(set_to_none=True),
-                               backward=t.accelerator.backward,
-                               weight=(lambda c: 1.0) if custom_loss else self._items,
+                               backward=t.accelerator.backward, weight=weight, total=total,
                                context={"step": t.state.global_step + 1})
         if inner is not None:
-            ranks.reduce_gradients(inner)
+            reduce_gradients(inner, bucket_bytes=getattr(model, "bucket_bytes_cap", None))
         self.after_step = True
         return loss
+
+    def _normalisation(self, num_items_in_batch):
+        """How each micro-batch's loss is weighted so that the step equals the Trainer's unsplit one.
+
+        Returns (what to pass as num_items_in_batch, MicroBatcher weight, its total). The Trainer
+        hands a loss the whole batch's item count N when the model accepts loss kwargs or a
+        `compute_loss_func` is set, and then counts the loss as already normalised:
+        - `compute_loss_func` (or `loss_is_scaled_for_ga=True`): the user's loss divides by N, so
+          each micro-batch gets N too and the shares are added ("sum");
+        - the model's own loss and label smoothing: some models divide by N, others ignore it (BERT's
+          classification and masked-LM heads), so no micro-batch gets N: each returns its own mean,
+          weighted by its label items over N. That is the Trainer's number when the model divides by N,
+          and the true mean when it does not. With `average_tokens_across_devices` N counts every
+          process's items and the Trainer multiplies the loss by the number of processes: so does
+          the kit (N / processes as the total);
+        - without N: items over the batch's own items.
+        """
+        t = self.trainer
+        declared = getattr(t, "loss_is_scaled_for_ga", None)
+        if num_items_in_batch is not None and (declared or (declared is None and t.compute_loss_func is not None)):
+            return num_items_in_batch, "sum", None
+        if t.compute_loss_func is not None:  # declared a per-batch mean: the Trainer still passes N
+            return num_items_in_batch, self._items, None
+        if num_items_in_batch is None or t.args.n_gpu > 1:
+            return None, self._items, None
+        total = float(num_items_in_batch)
+        if getattr(t.args, "average_tokens_across_devices", False) and t.model_accepts_loss_kwargs:
+            total /= t.accelerator.num_processes  # the Trainer's loss x processes, for a global N
+        return None, self._items, total
+
+    def _guard_optimizer(self) -> None:
+        """Make the optimizer step part of the step the ranks agree on: an error in it on one rank
+        stops every rank at once (`agreement.agree_outcome`), instead of leaving the others waiting in
+        the next step's collectives until the process group times out."""
+        opt = self.trainer.optimizer
+        if opt is None or "step" in vars(opt):
+            return
+        step = opt.step
+
+        def guarded_step(*args, **kwargs):
+            error = result = None
+            try:
+                result = step(*args, **kwargs)
+            except Exception as exc:  # noqa: BLE001 - every rank raises just below
+                error = exc
+            agree_outcome(error, "optimizer step", step=self.trainer.state.global_step + 1)
+            return result
+
+        opt.step = guarded_step
+        self._guarded = opt
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         self.after_step = False
@@ -235,13 +254,8 @@ class TrainerMicroBatching:
             context={"step": self.trainer.state.global_step})
         if len(outputs) == 1:
             return outputs[0]
-        losses = [o[0] for o in outputs]
-        loss = None
-        if losses[0] is not None:  # the model's per-micro-batch means, weighted by their items
-            weights = [self._items(c) for c in chunks]
-            total = sum(weights) or len(weights)
-            loss = sum(l * (w / total) for l, w in zip(losses, weights))
-        return loss, _concat([o[1] for o in outputs]), _concat([o[2] for o in outputs])
+        return _weighted_loss([o[0] for o in outputs], [self._items(c) for c in chunks]), \
+            _concat([o[1] for o in outputs]), _concat([o[2] for o in outputs])
 
     # -- reporting -------------------------------------------------------------------------------
     def _on_backoff(self, report: dict, *, training: bool) -> None:

@@ -23,7 +23,8 @@ from collections.abc import Mapping
 from typing import Any, Callable
 
 from .._units import format_bytes
-from ..distributed.ranks import agree_micro_batch, group
+from ..distributed.agreement import agree_micro_batch
+from ..distributed.ranks import group
 from ..errors import ColabKitError, ColabKitWarning
 from .batching import batch_size, split_batch
 from .oomforms import is_fatal_cuda_error, is_oom_error
@@ -159,7 +160,7 @@ class MicroBatcher:
 
     def step(self, batch, forward: Callable[[Any], Any], *, model=None, backward: Callable | None = None,
              zero_grad: Callable[[], None] | None = None, weight: str | Callable[[Any], float] = "samples",
-             context: dict | None = None):
+             total: float | None = None, context: dict | None = None):
         """Run `forward` and the backward pass over `batch` in micro-batches; returns the loss.
 
         Args:
@@ -168,8 +169,13 @@ class MicroBatcher:
             model: whose gradients are zeroed before a retry (or give `zero_grad`).
             backward: loss -> None; default `loss.backward()` (pass `lambda l: scaler.scale(l).backward()`
                 for fp16 with a GradScaler).
-            weight: "samples", "tokens" (label entries that are not -100), or a callable
-                micro-batch -> number of items its loss is averaged over.
+            weight: "samples", "tokens" (label entries that are not -100), a callable
+                micro-batch -> number of items its loss is averaged over, or "sum": each
+                micro-batch's loss is already its share of the whole batch's (a loss divided by
+                the whole batch's item count, as with the Trainer's `num_items_in_batch`), and
+                the shares are added as they are.
+            total: what the items are divided by; default their sum over this batch. Give it
+                when the batch's items are counted elsewhere (over every process, say).
             context: extra fields for the back-off report (e.g. the step number).
 
         Returns:
@@ -182,8 +188,8 @@ class MicroBatcher:
             raise ValueError("give model= (or zero_grad=) so gradients can be cleared before a retry")
         zero_grad = zero_grad or (lambda: model.zero_grad(set_to_none=True))
         backward = backward or (lambda loss: loss.backward())
-        weigh = _weigher(weight)
-        return self._retrying(batch, lambda chunks: self._forward_backward(chunks, forward, backward, weigh),
+        weigh = None if weight == "sum" else _weigher(weight)
+        return self._retrying(batch, lambda chunks: self._forward_backward(chunks, forward, backward, weigh, total),
                               on_retry=zero_grad, trim_padding=True, context=context)
 
     def map(self, batch, fn: Callable[[Any], Any], *, context: dict | None = None) -> tuple[list, list]:
@@ -207,16 +213,18 @@ class MicroBatcher:
         rows = batch_size(batch)
         micro = self._maybe_grow(min(self.micro_batch or rows, rows), rows)
         while True:
-            error = None
+            error = failure = None
             try:
                 result = run_chunks(split_batch(batch, micro, trim_padding=trim_padding))
-            except Exception as exc:  # noqa: BLE001 - anything but an OOM is re-raised just below
-                if not is_oom_error(exc):
-                    raise
-                error = str(exc).splitlines()[0][:300]  # only text: the exception (and its frames) go
-            # Several processes: all retry together, on the smallest size (no rank is left waiting
-            # in a collective that the others never reach).
-            micro, failed_ranks = agree_micro_batch(micro, error is not None)
+            except Exception as exc:  # noqa: BLE001 - anything but an OOM is raised by the agreement below
+                if is_oom_error(exc):
+                    error = str(exc).splitlines()[0][:300]  # only text: the exception (and its frames) go
+                else:
+                    failure = exc
+            # Several processes: all retry together, on the smallest size, or all stop when any rank
+            # failed otherwise (no rank is left waiting in a collective that the others never reach).
+            micro, failed_ranks = agree_micro_batch(micro, error is not None, failure, where=self.phase,
+                                                    step=(context or {}).get("step"))
             if not failed_ranks:
                 self._succeeded(micro, rows)
                 return result
@@ -233,25 +241,30 @@ class MicroBatcher:
             self._backoff(micro, max(1, micro // 2), where, error, rows, context)
             micro = max(1, micro // 2)
 
-    def _forward_backward(self, chunks, forward, backward, weigh):
-        weights = [weigh(c) for c in chunks]
-        total_weight = sum(weights)
-        if total_weight <= 0:  # no label items at all: fall back to rows
-            weights = [batch_size(c) for c in chunks]
-            total_weight = sum(weights)
-        total = None
+    def _forward_backward(self, chunks, forward, backward, weigh, total):
+        if weigh is None:  # "sum": every share is already divided by the whole batch's items
+            weights, denominator = [1.0] * len(chunks), 1.0
+        else:
+            weights = [weigh(c) for c in chunks]
+            denominator = total if total is not None else sum(weights)
+            if sum(weights) <= 0:  # no label items at all: fall back to rows
+                weights = [batch_size(c) for c in chunks]
+                denominator = sum(weights)
+        summed = None
         for chunk, w in zip(chunks, weights):
             if w == 0:
                 continue  # no label items: contributes no gradient (its mean loss would be NaN)
             self.phase = "forward"
-            loss = forward(chunk) * (w / total_weight)
+            loss = forward(chunk)
+            if w != denominator:
+                loss = loss * (w / denominator)
             self.phase = "backward"
             backward(loss)
             loss = loss.detach()
-            total = loss if total is None else total + loss
+            summed = loss if summed is None else summed + loss
             del loss
         self.phase = "idle"
-        return total
+        return summed
 
     def _succeeded(self, micro: int, rows: int) -> None:
         # Only a back-off or a successful grow-back changes the remembered size: a small last

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from colab_kit.distributed import ranks
+from colab_kit.distributed import agreement, gradients, ranks
 from colab_kit.runtime import _visible_indices
 
 
@@ -33,14 +33,14 @@ def test_without_a_process_group_every_helper_is_the_single_process_answer(tmp_p
     assert ranks.from_writer(True) is True and ranks.broadcast_object({"step": 3}) == {"step": 3}
     assert ranks.all_agree(True) == [] and ranks.all_agree(False) == [0]
     assert ranks.sum_over_ranks([1.5, 2.0]) == [1.5, 2.0]
-    assert ranks.agree_micro_batch(8, False) == (8, []) and ranks.agree_micro_batch(4, True) == (4, [0])
+    assert agreement.agree_micro_batch(8, False) == (8, []) and agreement.agree_micro_batch(4, True) == (4, [0])
     assert ranks.gather_rank_files(tmp_path, ["rng_state_0.pth"]) == 0
     model = torch.nn.Linear(2, 2)
     model(torch.ones(1, 2)).sum().backward()
     before = model.weight.grad.clone()
-    ranks.reduce_gradients(model)
+    gradients.reduce_gradients(model)
     assert torch.equal(model.weight.grad, before)
-    assert ranks.unwrap_ddp(model) is None
+    assert gradients.unwrap_ddp(model) is None
 
 
 def test_rank_files_missing_names_each_absent_rank(tmp_path):

@@ -227,7 +227,7 @@ def test_8_a_folder_under_content_drive_without_a_mount_is_refused(tmp_path, mon
 
 def test_9_the_training_thread_never_waits_on_a_stalled_drive(drive, local, monkeypatch):
     from colab_kit.gauges.monitor import History, Sampler
-    from colab_kit.memory.microbatch import MicroBatchMemory
+    from colab_kit.memory.learned import MicroBatchMemory
 
     stalled = threading.Event()
     append, write = storage.append_line, storage.atomic_write_bytes

@@ -46,6 +46,10 @@ OOM_FORMS = [
                   "you tried to allocate 10737418240 bytes. Error code 12 (Cannot allocate memory)"),
     MemoryError(),
     ck.OutOfMemoryError("even a micro-batch of 1 does not fit"),
+    # Issue 21: the bare allocator sentence, without its period (Composer's and Lightning's tests, wrappers).
+    RuntimeError("CUDA out of memory"),
+    RuntimeError("CUDA out of memory (re-raised by an extension)"),
+    RuntimeError("Caught RuntimeError in replica 0 on device 0.\nOriginal Traceback: ... CUDA out of memory"),
     # Issue 13: the forms the kit missed.
     RuntimeError("CUDA driver error: out of memory"),  # expandable segments (cuMemCreate)
     RuntimeError("cuDNN error: CUDNN_STATUS_ALLOC_FAILED"),
