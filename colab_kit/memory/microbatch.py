@@ -126,8 +126,12 @@ class TrainerMicroBatching:
         t._train_batch_size = self._saved["train_batch"]
         for name in ("training_step", "prediction_step"):
             t.__dict__.pop(name, None)
-        if self._guarded is not None:
-            vars(self._guarded).pop("step", None)
+        if self._guarded is not None:  # the optimizer's own step again (or the wrapper it had)
+            opt, before = self._guarded
+            if before is None:
+                vars(opt).pop("step", None)
+            else:
+                opt.step = before
             self._guarded = None
         self._saved = None
 
@@ -230,9 +234,9 @@ class TrainerMicroBatching:
         stops every rank at once (`agreement.agree_outcome`), instead of leaving the others waiting in
         the next step's collectives until the process group times out."""
         opt = self.trainer.optimizer
-        if opt is None or "step" in vars(opt):
+        if opt is None or getattr(opt.step, "colab_kit_guard", False):
             return
-        step = opt.step
+        step = opt.step  # may be an instance attribute already: torch's LR scheduler wraps step too
 
         def guarded_step(*args, **kwargs):
             error = result = None
@@ -243,8 +247,9 @@ class TrainerMicroBatching:
             agree_outcome(error, "optimizer step", step=self.trainer.state.global_step + 1)
             return result
 
+        guarded_step.colab_kit_guard = True
+        self._guarded = (opt, vars(opt).get("step"))
         opt.step = guarded_step
-        self._guarded = opt
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         self.after_step = False

@@ -10,6 +10,9 @@ Every rank runs the same code, as a notebook's cells would: `start_run`, a Train
   --step-sleep S      every rank sleeps S seconds per step (time for a test to kill the job)
   --slow-reads S      every file read from the persistent folder takes S seconds more
   --fetch-fails-on R  rank R cannot fetch a checkpoint from the persistent folder
+  --fail R:WHERE:STEP rank R raises a ValueError at STEP in the forward pass, the backward pass or the
+                      optimizer step (WHERE: forward, backward, optimizer)
+  --linger S          the rank made to --fail stays alive S seconds after its error (a notebook kernel)
   --plain-ddp         the Trainer's own DDP training step (no micro-batching), for comparison
   --start-in-parent   (with --launcher notebook) start_run in the parent, run.train in the children
 Rank 0 writes the final weights to --out and prints "FINAL step=N"; every rank prints
@@ -45,7 +48,12 @@ def worker(args) -> None:
 
         storage.copy_file = slow_copy
 
+    current = {"step": 0}
+
     class Misbehave(TrainerCallback):
+        def on_step_begin(self, a, state, control, **kw):
+            current["step"] = state.global_step + 1
+
         def on_step_end(self, a, state, control, **kw):
             time.sleep(args.step_sleep)
             if args.stall and args.stall[0] == rank and state.global_step == args.stall[1]:
@@ -75,7 +83,17 @@ def worker(args) -> None:
                 raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {output.shape[0]} MiB (injected)")
 
         trainer.model.get_input_embeddings().register_forward_hook(forward_hook)
-    output = run.train(trainer, oom_recovery=not args.plain_ddp)
+    if args.fail and args.fail[0] == rank:
+        _inject_failure(trainer.model, args.fail[1], args.fail[2], current, rank)
+    try:
+        output = run.train(trainer, oom_recovery=not args.plain_ddp)
+    except Exception:
+        if args.linger and args.fail and args.fail[0] == rank:  # as a notebook's kernel stays up after an error
+            import traceback
+
+            traceback.print_exc()
+            time.sleep(args.linger)
+        raise
     resumed = run.resume_manifest.step if run.resume_manifest is not None else 0  # agreed in run.train
     run.save_final(trainer.model)
     micro = run.micro_batching.train.micro_batch if run.micro_batching is not None else None
@@ -93,6 +111,37 @@ def worker(args) -> None:
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def _inject_failure(model, where: str, step: int, current: dict, rank: int) -> None:
+    """A ValueError on this rank at `step`: in the forward pass, the backward pass or the optimizer step."""
+
+    def fail(*_):
+        if current["step"] == step:
+            raise ValueError(f"injected on rank {rank} in the {where} at step {step}")
+
+    if where == "optimizer":
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        register_optimizer_step_pre_hook(lambda optimizer, a, kw: fail())
+        return
+
+    def forward_hook(module, inputs, output):
+        if not module.training:
+            return
+        if where == "forward":
+            fail()
+        elif where == "backward":
+            output.register_hook(lambda grad: fail())
+
+    model.get_input_embeddings().register_forward_hook(forward_hook)
+
+
+def _failure(text: str) -> tuple[int, str, int]:
+    r, where, step = text.split(":")
+    if where not in ("forward", "backward", "optimizer"):
+        raise argparse.ArgumentTypeError(f"--fail {text}: WHERE is forward, backward or optimizer")
+    return int(r), where, int(step)
 
 
 def _triple(text: str) -> tuple[int, int, float]:
@@ -120,6 +169,8 @@ def main() -> None:
     parser.add_argument("--stall", type=_triple, default=None)
     parser.add_argument("--oom", type=_pair, default=None)
     parser.add_argument("--slow-reads", type=float, default=0.0)
+    parser.add_argument("--linger", type=float, default=0.0, help="seconds a failed rank stays alive")
+    parser.add_argument("--fail", type=_failure, default=None, help="R:WHERE:STEP, rank R raises a ValueError")
     parser.add_argument("--fetch-fails-on", type=int, default=None, help="this rank cannot fetch from the persistent folder")
     parser.add_argument("--plain-ddp", action="store_true",
                         help="run.train(oom_recovery=False): the Trainer's own DDP step, for comparison")
