@@ -15,6 +15,7 @@ fingerprint and sequence length, so a resumed run starts with it.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Mapping
 
@@ -238,6 +239,7 @@ class TrainerMicroBatching:
             return
         step = opt.step  # may be an instance attribute already: torch's LR scheduler wraps step too
 
+        @functools.wraps(step)  # keeps the LR scheduler's mark on it (else torch warns of an overridden step)
         def guarded_step(*args, **kwargs):
             error = result = None
             try:

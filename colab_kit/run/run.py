@@ -74,9 +74,8 @@ class Run:
         self.resume_best: Path | None = None
         self.resume_state: dict = {}
         self.clock = TrainClock()
-        self.mirror = Mirror(drive_dir, keep=keep, journal=journal, notices=notices, on_disconnected=self._remount,
-                             kind=kind, prune_after=prune_after, writer=self.ranks.writer, settle=settle, lease=lease,
-                             on_lease_lost=lambda: self._lease_lost(None))
+        self._mirror_settings = {"kind": kind, "prune_after": prune_after, "settle": settle}
+        self.mirror = self.new_mirror()
         self.fingerprint: dict | None = None
         self.show_gauges = gauges
         self.last_saved_step: int | None = None
@@ -89,6 +88,12 @@ class Run:
         self._finished = False
         self._summary: dict | None = None
         self._pid = os.getpid()  # a forked copy (notebook_launcher) has none of this process's threads
+
+    def new_mirror(self) -> Mirror:
+        """The uploader of this run folder (a fresh one after `resume_from_checkpoint=False`)."""
+        return Mirror(self.drive_dir, keep=self.keep, journal=self.journal, notices=self.notices,
+                      on_disconnected=self._remount, writer=self.ranks.writer, lease=self.lease,
+                      on_lease_lost=lambda: self._lease_lost(None), **self._mirror_settings)
 
     # -- callbacks and training ----------------------------------------------------------------
     def callbacks(self) -> list:

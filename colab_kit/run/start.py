@@ -35,6 +35,7 @@ from ..drive.mount import resolve_root
 from ..errors import DriveError
 from ..runtime import detect_runtime, in_colab
 from .best import fetch_best, recorded_best
+from .fresh import archive_checkpoints
 from .registry import TrainClock, open_run, register
 from .run import Run
 
@@ -76,20 +77,6 @@ def _clean_local(local_dir: Path) -> None:
         shutil.rmtree(entry, ignore_errors=True)
     for entry in local_dir.glob(".staging-*"):
         shutil.rmtree(entry, ignore_errors=True)
-
-
-def _archive_checkpoints(drive_dir: Path, local_dir: Path) -> Path | None:
-    """Move old checkpoints aside for a fresh start (nothing is deleted from Drive)."""
-    moved = None
-    if list_checkpoints(drive_dir / CHECKPOINTS):
-        stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
-        moved = drive_dir / ARCHIVE / f"checkpoints-{stamp}"
-        storage.make_dirs(moved.parent)
-        os.replace(drive_dir / CHECKPOINTS, moved)
-        storage.make_dirs(drive_dir / CHECKPOINTS)
-    for _, path in list_checkpoints(local_dir):
-        shutil.rmtree(path, ignore_errors=True)
-    return moved
 
 
 def _unreadable_error(name: str, drive_dir: Path, unreadable: list[tuple[Path, str]]) -> DriveError:
@@ -252,7 +239,7 @@ def start_run(name: str, *, drive: str | os.PathLike | None = None, local_dir: s
             raise _unreadable_error(name, drive_dir, search.unreadable)
         _say_unreadable(notices, journal, search)
     found = search.found if search is not None else None
-    archived = None if resume else _archive_checkpoints(drive_dir, local)
+    archived = None if resume else archive_checkpoints(drive_dir, local)
     run = Run(name, drive_dir, local, on_drive=on_drive, save_every_s=save_every_s,
               save_every_steps=save_every_steps, keep=keep, runtime=runtime, lease=lease,
               journal=journal, notices=notices, gauges=gauges, kind=kind, prune_after=_PRUNE_AFTER, ranks=ranks,

@@ -17,6 +17,7 @@ from ..distributed.resume import agree_resume
 from ..errors import ColabKitError, ResumeMismatchError
 from ..memory.recipes import make_length_grouping_resumable
 from .best import TRAINER_STATE, early_stopped, restore_best
+from .fresh import resume_argument, start_over
 
 __all__ = ["train", "trainer_fingerprint", "check_compatible", "adjust_args", "planned_max_steps"]
 
@@ -43,7 +44,6 @@ def train(run, trainer, *, oom_recovery: bool = True, grow_back_after: int | Non
     for cb in run.callbacks():
         if type(cb) not in present:
             trainer.add_callback(cb)
-    agree_resume(run)  # several processes: every rank resumes from rank 0's checkpoint
     if run.ranks.distributed and int(getattr(trainer.args, "world_size", 1) or 1) == 1:
         # Every process would train the whole model alone and write the same checkpoint files.
         raise ColabKitError(
@@ -51,11 +51,16 @@ def train(run, trainer, *, oom_recovery: bool = True, grow_back_after: int | Non
             f"them (TrainingArguments.parallel_mode is {getattr(trainer.args, 'parallel_mode', '?')}), so each "
             f"would train alone and overwrite the others' checkpoints. Without a GPU, pass use_cpu=True to "
             f"TrainingArguments; or launch a single process")
+    resume = train_kwargs.pop("resume_from_checkpoint", None)
+    if resume is False:
+        start_over(run)  # from step 0: the run's checkpoints are archived first (never deleted)
+    agree_resume(run)  # several processes: every rank resumes from rank 0's checkpoint
+    resume = resume_argument(run, resume)  # True: the newest valid one; a path: verified
     check_compatible(run, trainer.model, trainer.args)
     adjust_args(run, trainer.args)
     make_length_grouping_resumable(trainer)
-    if "resume_from_checkpoint" not in train_kwargs and run.resume_from is not None:
-        train_kwargs["resume_from_checkpoint"] = str(run.resume_from)
+    if resume is not None:
+        train_kwargs["resume_from_checkpoint"] = resume
     run.micro_batching = TrainerMicroBatching(run, trainer, grow_back_after=grow_back_after, micro_batch=micro_batch)
     guard = run.micro_batching if oom_recovery and run.micro_batching.install() else None
     status = "error"
@@ -93,7 +98,7 @@ def _already_complete(run, trainer, checkpoint) -> bool:
     # Resuming from a checkpoint at max_steps makes the Trainer run one step too many (its
     # stop check comes after a step), and resuming after early stopping trains on (the Trainer
     # clears should_training_stop at the start), so a finished run is recognised here instead.
-    if checkpoint is None or run.resume_manifest is None:
+    if not checkpoint or run.resume_manifest is None:
         return False
     if early_stopped(Path(checkpoint)):
         return True
