@@ -16,6 +16,7 @@ fingerprint and sequence length, so a resumed run starts with it.
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 from collections.abc import Mapping
 
@@ -53,6 +54,13 @@ def _concat(parts: list):
     if isinstance(first, (list, tuple)):
         return type(first)(_concat(list(group)) for group in zip(*parts))
     return first
+
+
+def _own_mean(smoother) -> bool:
+    """A label smoother that averages over its own items whatever the Trainer's N (transformers < 5)."""
+    if smoother is None:
+        return False
+    return "num_items_in_batch" not in inspect.signature(type(smoother).__call__).parameters
 
 
 def _weighted_loss(losses: list, items: list[int]):
@@ -215,7 +223,8 @@ class TrainerMicroBatching:
           and the true mean when it does not. With `average_tokens_across_devices` N counts every
           process's items and the Trainer multiplies the loss by the number of processes: so does
           the kit (N / processes as the total);
-        - without N: items over the batch's own items.
+        - without N, or a label smoother that does not take it (transformers < 5): items over the
+          batch's own items.
         """
         t = self.trainer
         declared = getattr(t, "loss_is_scaled_for_ga", None)
@@ -223,7 +232,7 @@ class TrainerMicroBatching:
             return num_items_in_batch, "sum", None
         if t.compute_loss_func is not None:  # declared a per-batch mean: the Trainer still passes N
             return num_items_in_batch, self._items, None
-        if num_items_in_batch is None or t.args.n_gpu > 1:
+        if num_items_in_batch is None or t.args.n_gpu > 1 or _own_mean(getattr(t, "label_smoother", None)):
             return None, self._items, None
         total = float(num_items_in_batch)
         if getattr(t.args, "average_tokens_across_devices", False) and t.model_accepts_loss_kwargs:

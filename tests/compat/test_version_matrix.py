@@ -3,7 +3,8 @@ test of the README's test command so that it overlaps the rest of the suite inst
 
 It copies this test session's venv (hard links), pins transformers to requirements.txt's lower bound
 (4.57.6 measured; COLAB_KIT_LOWEST_TRANSFORMERS to choose another) with pip from PyPI, and runs the
-quick presets of both notebooks, the exact out-of-memory splits and the perplexity test there.
+quick presets of both notebooks, the exact out-of-memory splits, the same-numbers table and the
+perplexity test there.
 """
 
 import os
