@@ -16,6 +16,7 @@ import sys as _sys
 
 from .checkpoints.journal import read_events
 from .drive.drivecheck import drive_check
+from .drive.driveapi import DriveApi
 from .errors import (CheckpointError, ColabKitError, ColabKitWarning, DriveError, LeaseHeldError, RankFailedError,
                      ResumeMismatchError)
 from .gauges.gauges import Gauges, plot_history
@@ -45,6 +46,7 @@ __all__ = [
     "Run",
     "CheckpointStore",
     "drive_check",
+    "DriveApi",
     "is_oom_error",
     "free_memory",
     "MicroBatcher",

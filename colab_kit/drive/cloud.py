@@ -22,11 +22,9 @@ moment).
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -35,75 +33,35 @@ from .._units import format_age, format_bytes
 from ..checkpoints import storage, validity
 from ..checkpoints.checkpoint import list_checkpoints
 from ..checkpoints.journal import Journal
-from ..checkpoints.manifest import MANIFEST, Manifest
+from ..checkpoints.manifest import MANIFEST
 from .drivefs import PLAIN, UNCONFIRMED, in_cloud
+from .uploads import Upload, cloud_files, upload_for
 
 __all__ = ["Upload", "CloudTracker", "cloud_files", "upload_for"]
 
 log = logging.getLogger(__name__)
 POLL_MIN_S, POLL_MAX_S = 0.1, 15.0
+# Drive's API has per-user query limits: a pending item is listed first when it should be up at the
+# measured rate (2 s after it was written at the earliest), then 2 s, 4 s, 8 s, ... later, at most
+# every 2 minutes (one `files.list` each).
+API_POLL_FIRST_S, API_POLL_MAX_S = 2.0, 120.0
 _RATE_SAMPLES = 5
-
-
-@dataclass
-class Upload:
-    """One folder written to the persistent folder, on its way to the cloud."""
-
-    label: str  # "checkpoint-30" or "final"
-    step: int | None  # None for final/
-    folder: Path
-    files: dict[str, str | None]  # name -> our md5 (None: not known), MANIFEST.json included
-    bytes: int
-    saved: float  # time.time() when its state was saved on local disk
-    started: float = field(default_factory=time.monotonic)  # writing to the folder began
-    written: float = field(default_factory=time.monotonic)  # its manifest was written
-    measure: bool = True  # False when `started` is not known (found at start-up)
-    confirmed: float | None = None  # time.monotonic() when seen in the cloud
-    confirmed_at: float | None = None  # time.time() of the same moment
-    pending_bytes: int = 0
-    next_poll: float = 0.0
-    verified: bool = True  # every byte known to match the manifest (False: found at start, not read yet)
-    written_at: float = field(default_factory=time.time)  # time.time() when its manifest was written
-    missing_since: float | None = None  # time.monotonic() since when a poll cannot find it
-    source: Path | None = None  # a local folder with the same files, to upload it again from
-    manifest: Manifest | None = None
-
-
-def cloud_files(folder: Path, manifest: Manifest) -> dict[str, str | None]:
-    """What must be in the cloud for `folder` to be: name -> our md5 (None: not known), its
-    MANIFEST.json included."""
-    files: dict[str, str | None] = {name: entry.md5 or None for name, entry in manifest.files.items()}
-    try:
-        files[MANIFEST] = hashlib.md5(storage.read_bytes(folder / MANIFEST)).hexdigest()
-    except OSError:
-        files[MANIFEST] = None
-    return files
-
-
-def upload_for(folder: Path, manifest: Manifest, label: str, *, saved: float | None = None,
-               started: float | None = None, measure: bool = True, source: Path | None = None,
-               verified: bool = True, written_at: float | None = None) -> Upload:
-    """The `Upload` of a published folder whose MANIFEST.json is `manifest`."""
-    files = cloud_files(folder, manifest)
-    now = time.monotonic()
-    return Upload(label=label, step=manifest.step if label != "final" else None, folder=folder, files=files,
-                  bytes=manifest.total_bytes, saved=manifest.created if saved is None else saved,
-                  started=now if started is None else started, written=now, measure=measure,
-                  pending_bytes=manifest.total_bytes, source=source, verified=verified,
-                  written_at=time.time() if written_at is None else written_at, manifest=manifest)
 
 
 class CloudTracker:
     """The cloud state of one run folder's uploads; thread-safe.
 
     Args:
-        kind: `drivefs.DRIVEFS`, `UNCONFIRMED` or `PLAIN` (see `drivefs.folder_kind`).
+        kind: `drivefs.DRIVEFS`, `UNCONFIRMED`, `PLAIN` (see `drivefs.folder_kind`) or `API`.
         journal: where `cloud` events go (None: nowhere).
+        api: the `driveapi.DriveApi` that confirms uploads (kind `API`): each file's size and md5
+            as Drive's servers report them, instead of DriveFS's attributes.
     """
 
-    def __init__(self, kind: str, journal: Journal | None = None):
+    def __init__(self, kind: str, journal: Journal | None = None, api=None):
         self.kind = kind
         self.journal = journal
+        self.api = api
         self._items: list[Upload] = []
         self._samples: list[float] = []  # recent upload rates, bytes/s
         self._last_confirmed: float | None = None
@@ -121,7 +79,7 @@ class CloudTracker:
             self._items.append(upload)
             if upload.step is not None:
                 self.last_bytes = upload.bytes
-            upload.next_poll = time.monotonic() + POLL_MIN_S
+            upload.next_poll = time.monotonic() + (self._first_api_poll(upload) if self.api is not None else POLL_MIN_S)
             if confirmed:
                 upload.confirmed, upload.confirmed_at, upload.pending_bytes = time.monotonic(), time.time(), 0
                 return True
@@ -145,7 +103,7 @@ class CloudTracker:
                 written_at = storage.stat(path / MANIFEST).st_mtime
                 upload = upload_for(path, verdict.manifest, f"checkpoint-{step}", measure=False,
                                     verified=verdict.valid, written_at=written_at)
-                done, upload.pending_bytes = in_cloud(path, upload.files, self.kind)
+                done, upload.pending_bytes = self._check(upload)
             except OSError as exc:
                 log.debug("not adopting %s yet: %s", path, exc)
                 continue
@@ -175,9 +133,9 @@ class CloudTracker:
         seen = []
         for upload in due:
             try:
-                seen.append((upload, *in_cloud(upload.folder, upload.files, self.kind), False))
+                seen.append((upload, *self._check(upload), False))
             except FileNotFoundError:  # missing from a listing, for a moment or for good: still pending
-                seen.append((upload, False, upload.pending_bytes, True))
+                seen.append((upload, False, upload.pending_bytes, self.api is None))  # the API: not there yet
             except OSError as exc:  # Drive trouble: look again later
                 log.debug("cannot read the upload state of %s: %s", upload.folder, exc)
                 seen.append((upload, False, upload.pending_bytes, False))
@@ -194,9 +152,30 @@ class CloudTracker:
                 else:
                     upload.pending_bytes = pending
                     age = now - upload.written
-                    upload.next_poll = now + min(POLL_MAX_S, max(POLL_MIN_S, 0.1 * age))
+                    upload.next_poll = now + (min(API_POLL_MAX_S, API_POLL_FIRST_S * 2 ** (upload.polls - 1))
+                                              if self.api is not None else min(POLL_MAX_S, max(POLL_MIN_S, 0.1 * age)))
         self._journal_confirmed(confirmed)
         return confirmed
+
+    def _first_api_poll(self, upload: Upload) -> float:
+        """Seconds until the API is first asked about `upload`: when it should be up at the measured
+        rate (with a margin), at least API_POLL_FIRST_S; one listing then usually confirms it."""
+        expected = self.expected_upload_s(upload.bytes)
+        return min(API_POLL_MAX_S, max(API_POLL_FIRST_S, 1.2 * expected + 1.0 if expected else 0.0))
+
+    def _check(self, upload: Upload) -> tuple[bool, int]:
+        """(in the cloud, bytes not yet there) from DriveFS's attributes, or from Drive's API."""
+        upload.polls += 1
+        if self.api is None:
+            return in_cloud(upload.folder, upload.files, self.kind)
+        expected = {name: (upload.sizes[name], md5) for name, md5 in upload.files.items() if name in upload.sizes}
+        if len(expected) < len(upload.files):  # a size not known: nothing can be confirmed yet
+            return False, upload.pending_bytes
+        before = self.api.calls
+        try:
+            return self.api.confirm(upload.folder, expected)
+        finally:
+            upload.api_calls += self.api.calls - before
 
     def missing(self, grace: float) -> list[Upload]:
         """What a poll has not found for `grace` seconds or more (the mirror uploads it again)."""
@@ -220,6 +199,8 @@ class CloudTracker:
             if self.journal is not None:
                 fields = {"step": upload.step} if upload.step is not None else {"what": "final"}
                 rate = self.rate_bps
+                if self.api is not None:  # proof from Drive's servers, and what it cost
+                    fields.update(via="api", api_calls=upload.api_calls)
                 self.journal.write("cloud", **fields, seconds=round(upload.confirmed_at - upload.saved, 2),
                                    bytes=upload.bytes, rate_bps=round(rate) if rate else None)
             log.info("%s is in the cloud (%s)", upload.label, format_bytes(upload.bytes))
@@ -325,6 +306,7 @@ class CloudTracker:
             "pending_bytes": self.pending_bytes,
             "pending_eta_s": round(eta, 1) if eta is not None else None,
             "upload_rate_bps": round(rate) if rate else None,
+            "api_calls": self.api.calls if self.api is not None else None,
         }
 
     def describe(self) -> str:

@@ -3,12 +3,14 @@
 Nobody has yet shown DriveFS's upload attributes on Colab's mount (`drivefs.py`). This check
 writes a test file, reads the attributes every second until the file is committed, deletes it
 the Trash-free way and prints JSON: which attributes exist, their values over time, the time to
-commit and the upload rate. Its output is how a user shows what the kit can rely on.
+commit and the upload rate, and, where Drive's API is available, how long the file took to show
+its md5 there. Its output is how a user shows what the kit can rely on.
 """
 
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import time
@@ -62,18 +64,54 @@ def _watch(path: Path, until, interval: float, timeout: float) -> tuple[list[dic
         time.sleep(interval)
 
 
+def _api_for(api, folder: Path):
+    """The Drive API to time (given, from the environment, or Colab's granted credentials), or the
+    reason there is none. Never asks for consent: `start_run(confirm="api")` does."""
+    from .driveapi import COLAB_ROOT, DriveApi, unavailable_message
+
+    if api is None:
+        api = DriveApi.from_environment()
+    if api is None and str(folder.absolute()).startswith(COLAB_ROOT):
+        api = DriveApi(root=COLAB_ROOT)
+    if api is None:
+        return None, "no Drive API given (COLAB_KIT_DRIVE_API, or api=ck.DriveApi(...))"
+    try:
+        api.folder_id(folder)
+    except Exception as exc:  # noqa: BLE001 - reported, not raised: this is a check
+        return None, (f"{api.describe()} cannot be used ({unavailable_message(exc)}); in Colab, "
+                      f"ck.start_run(..., confirm='api') asks for access")
+    return api, None
+
+
+def _api_md5_s(api, path: Path, md5: str, interval: float, timeout: float, started: float) -> float | None:
+    """Seconds from the end of the write until the API lists `path` with `md5` (None: not within timeout)."""
+    while time.monotonic() - started < timeout:
+        try:
+            items = api.children(path.parent).get(path.name, [])
+            if any(item.get("md5Checksum") == md5 for item in items):
+                return time.monotonic() - started
+        except OSError:  # not there yet, or the API did not answer: look again
+            pass
+        time.sleep(interval)
+    return None
+
+
 def drive_check(folder: str | os.PathLike | None = None, *, size_mb: float = 100, interval: float = 1.0,
-                timeout: float = 900, quiet: bool = False) -> dict:
+                timeout: float = 900, quiet: bool = False, api=None) -> dict:
     """Measure Drive's upload reporting on `folder` (default: the kit's folder on Drive).
 
     Writes a `size_mb` MB file of random bytes, reads DriveFS's attributes every `interval`
     seconds until the file is committed (or `timeout`), then deletes it: truncate to 0 bytes,
     wait until that is committed, unlink (so the Trash keeps an empty stub).
 
+    Also says whether Drive's API can confirm uploads here (`api`, default: COLAB_KIT_DRIVE_API,
+    or Colab's credentials once granted) and, where it can, how long the fresh file took to show
+    the right md5 through it.
+
     Returns:
         The report (also printed as JSON unless `quiet`): attributes present, their timeline,
         seconds to commit and the upload rate (bytes/s; None when it never committed or the
-        attributes are missing), and the folder's free space as statvfs reports it.
+        attributes are missing), the API's answer, and the folder's free space as statvfs reports it.
     """
     folder = Path(folder) if folder is not None else _default_folder()
     folder.mkdir(parents=True, exist_ok=True)
@@ -81,14 +119,18 @@ def drive_check(folder: str | os.PathLike | None = None, *, size_mb: float = 100
     size = int(size_mb * 1e6)
     report: dict = {"folder": str(folder.absolute()), "drive_mount": is_drive_mount(folder), "bytes": size}
     started = time.monotonic()
+    digest = hashlib.md5()
     with open(path, "wb") as fh:
         left = size
         while left:
-            fh.write(os.urandom(min(_CHUNK, left)))
-            left -= min(_CHUNK, left)
+            block = os.urandom(min(_CHUNK, left))
+            fh.write(block)
+            digest.update(block)
+            left -= len(block)
         fh.flush()
         os.fsync(fh.fileno())
     report["write_s"] = round(time.monotonic() - started, 2)
+    written = time.monotonic()
     try:
         first = _read(path)
         report["attributes"] = {name: first[name] is not None for name in _ATTRS}
@@ -105,6 +147,12 @@ def drive_check(folder: str | os.PathLike | None = None, *, size_mb: float = 100
                           upload_bytes_per_s=round(size / seconds) if seconds else None)
             report["verdict"] = (f"committed after {seconds:.1f} s: about {format_bytes(size / seconds)}/s"
                                  if seconds else f"not committed within {timeout:.0f} s")
+        usable, why = _api_for(api, folder)
+        report["api"] = {"available": usable is not None, "why": why}
+        if usable is not None:
+            seconds = _api_md5_s(usable, path, digest.hexdigest(), interval, timeout, written)
+            report["api"].update(endpoint=usable.describe(), md5_s=round(seconds, 2) if seconds is not None else None,
+                                 calls=usable.calls)
     finally:
         report["delete"] = _delete(path, report.get("attributes", {}).get(UNCOMMITTED), interval, timeout)
     st = os.statvfs(folder)

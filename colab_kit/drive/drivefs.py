@@ -32,7 +32,7 @@ from pathlib import Path
 from .._units import format_bytes
 from ..checkpoints import storage
 
-__all__ = ["UNCOMMITTED", "ITEM_ID", "MD5", "DRIVEFS", "UNCONFIRMED", "PLAIN", "FileUpload",
+__all__ = ["UNCOMMITTED", "ITEM_ID", "MD5", "DRIVEFS", "UNCONFIRMED", "PLAIN", "API", "FileUpload", "cloud_id",
            "read_upload", "folder_kind", "is_drive_mount", "in_cloud", "describe_kind", "check_space",
            "TrashFreeDeleter"]
 
@@ -40,6 +40,7 @@ UNCOMMITTED = "user.drive.uncommitted"
 ITEM_ID = "user.drive.id"
 MD5 = "user.drive.md5"
 DRIVEFS, UNCONFIRMED, PLAIN = "drivefs", "unconfirmed", "plain"
+API = "api"  # confirmed through Drive's API (`driveapi.py`), whatever the mount reports
 COLAB_MOUNT = "/content/drive"
 _MISSING = (errno.ENODATA, errno.ENOTSUP, getattr(errno, "ENOATTR", errno.ENODATA))
 # Without attributes, a truncation is given this long to reach the cloud before the unlink.
@@ -81,6 +82,17 @@ def read_upload(path: str | os.PathLike) -> FileUpload:
     if uncommitted is None:  # no DriveFS attributes here: skip the other two reads
         return FileUpload(None, None, None)
     return FileUpload(uncommitted, _attr(path, ITEM_ID), _attr(path, MD5))
+
+
+def cloud_id(path: str | os.PathLike) -> str | None:
+    """The Drive item id DriveFS reports for `path`; None where it reports none, or only a local
+    placeholder (not in the cloud yet), or the read fails (unknown: the caller finds it another way)."""
+    try:
+        value = _attr(path, ITEM_ID)
+    except OSError:
+        return None
+    text = value.decode(errors="replace").strip() if value else ""
+    return text if text and not text.startswith("local") else None
 
 
 def _mount_of(path: Path) -> tuple[str, str, str] | None:
@@ -141,6 +153,8 @@ def describe_kind(kind: str) -> str:
         UNCONFIRMED: ("Google Drive, but DriveFS's upload attributes are missing here: checkpoints are "
                       "shown as written, upload not confirmed (run ck.drive_check() to see what Drive reports)"),
         PLAIN: "a plain folder; a checkpoint counts as safe once written, fsynced and read back",
+        API: ("Google Drive, confirmed through Drive's API: a checkpoint counts as in the cloud once Drive's "
+              "servers hold every file with the manifest's size and md5"),
     }[kind]
 
 

@@ -62,22 +62,23 @@ class Mirror:
         lease: the run's `Lease`, checked before every upload, publish and delete (None: a folder
             without a lease, a CheckpointStore of its own).
         on_lease_lost: called (from the worker) when a check finds the lease another runtime's.
+        api: with kind `API`, the `driveapi.DriveApi` that confirms uploads and deletes for good.
     """
 
     def __init__(self, run_dir: str | Path, *, keep: int, journal: Journal, notices: Notices,
                  on_disconnected: Callable[[], None] | None = None,
                  backoff: tuple[float, float] = (2.0, 120.0), kind: str = PLAIN, prune_after: str = "cloud",
                  writer: bool = True, settle: Settle = Settle(), lease=None,
-                 on_lease_lost: Callable[[], None] | None = None):
+                 on_lease_lost: Callable[[], None] | None = None, api=None):
         if prune_after not in ("cloud", "written"):
             raise ValueError(f"prune_after={prune_after!r}: use 'cloud' or 'written'")
         self.run_dir = Path(run_dir)
         self.keep = max(1, int(keep))
         self.journal, self.notices, self.kind, self.prune_after = journal, notices, kind, prune_after
-        self.tracker = CloudTracker(kind, journal)
+        self.tracker = CloudTracker(kind, journal, api=api)
         self.settle = settle
         self.pruner = Pruner(self.run_dir / CHECKPOINTS, kind=kind, prune_after=prune_after, keep=self.keep,
-                             journal=journal, notices=notices, settle=settle)
+                             journal=journal, notices=notices, settle=settle, api=api)
         self.deleter = self.pruner.deleter
         self.deferred = DeferredWrites()
         self.kept = KeptCopies(self.tracker, settle.age)

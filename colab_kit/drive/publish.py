@@ -19,7 +19,7 @@ from ..checkpoints.journal import Journal
 from ..checkpoints.manifest import Manifest, read_manifest
 from ..checkpoints.snapshot import Snapshot, snapshot_manifest
 from .cloud import CloudTracker, Upload, upload_for
-from .drivefs import DRIVEFS, PLAIN, UNCONFIRMED, check_space
+from .drivefs import API, DRIVEFS, PLAIN, UNCONFIRMED, check_space
 
 __all__ = ["Publisher"]
 
@@ -88,7 +88,7 @@ class Publisher:
             log.info("checkpoint-%d is already on %s", snap.step, self.run_dir)
         else:
             # Bytes written but not yet uploaded: known only where DriveFS reports them.
-            pending = self.tracker.pending_bytes if self.tracker.kind == DRIVEFS else 0
+            pending = self.tracker.pending_bytes if self.tracker.kind in (DRIVEFS, API) else 0
             check_space(self.run_dir, snap.bytes, pending, f"checkpoint-{snap.step}")
             publish_folder(snap.path, target, manifest)
         seconds = time.monotonic() - started

@@ -25,7 +25,8 @@ from .._units import format_age, format_bytes
 from ..checkpoints import storage, validity
 from ..checkpoints.checkpoint import list_checkpoints
 from ..checkpoints.manifest import MANIFEST
-from .drivefs import DRIVEFS, PLAIN, TrashFreeDeleter
+from .driveapi import ApiDeleter
+from .drivefs import API, DRIVEFS, PLAIN, TrashFreeDeleter
 
 __all__ = ["Settle", "prunable", "Pruner", "unfinished_folders"]
 
@@ -88,6 +89,7 @@ class Pruner:
     Args:
         root: the folder of `checkpoint-<step>` folders.
         kind: the folder's `drivefs` kind.
+        api: the `driveapi.DriveApi` of kind `API`, which deletes for good.
         prune_after: "cloud", or "written" (the rule before 0.2, which also deleted at once, to
             Drive's Trash: kept for the tests and bench/work_at_risk.py to show what it loses).
         keep: checkpoints in the cloud to keep.
@@ -96,17 +98,20 @@ class Pruner:
     """
 
     def __init__(self, root: Path, *, kind: str, prune_after: str, keep: int, journal, notices,
-                 settle: Settle = Settle()):
+                 settle: Settle = Settle(), api=None):
         self.root, self.kind, self.prune_after, self.keep = Path(root), kind, prune_after, keep
         self.settle, self.journal, self.notices = settle, journal, notices
-        self.deleter = TrashFreeDeleter(kind if prune_after == "cloud" else PLAIN)
+        if kind == API and prune_after == "cloud":  # deleted for good by id: no Trash at all
+            self.deleter = ApiDeleter(api)
+        else:
+            self.deleter = TrashFreeDeleter(kind if prune_after == "cloud" else PLAIN)
         self.last_doubt: str | None = None  # why the last pass deleted nothing, when it was a doubt
         self._told = False
 
     def _safe(self, tracker, listed: set[int]) -> set[int]:
         if self.prune_after == "written" or self.kind == PLAIN:
             return set(listed)
-        if self.kind == DRIVEFS:
+        if self.kind in (DRIVEFS, API):
             return tracker.confirmed_steps(verified_only=False)
         return tracker.settled_steps(self.settle.age)  # UNCONFIRMED
 
@@ -166,7 +171,11 @@ class Pruner:
             except OSError as exc:  # Drive trouble: the folder is chosen again at a later pass
                 log.info("could not delete %s yet: %s", listed[step], exc)
                 break
-        if self.deleter.kind != PLAIN and not self._told:
+        if self.deleter.kind == API and not self._told:
+            self._told = True
+            self.notices.add(f"deleted checkpoint-{chosen[0]} from Drive for good through its API (files.delete by "
+                             f"id): nothing goes to Drive's Trash, and the rest of your Trash is left alone")
+        elif self.deleter.kind != PLAIN and not self._told:
             self._told = True
             self.notices.add(f"deleted checkpoint-{chosen[0]} from Drive the Trash-free way: each file is emptied "
                              f"before it is deleted, so Drive's Trash keeps only 0-byte stubs (for 30 days, or "

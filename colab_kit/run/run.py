@@ -56,7 +56,7 @@ class Run:
                  save_every_s: float | None, save_every_steps: int | None, keep: int,
                  runtime: RuntimeInfo, lease: Lease | None, journal: Journal, notices: Notices,
                  gauges: bool = True, kind: str = PLAIN, prune_after: str = "cloud", ranks: Ranks | None = None,
-                 settle: Settle = Settle()):
+                 settle: Settle = Settle(), api=None):
         self.name = name
         self.drive_dir = drive_dir
         self.local_dir = local_dir
@@ -74,7 +74,7 @@ class Run:
         self.resume_best: Path | None = None
         self.resume_state: dict = {}
         self.clock = TrainClock()
-        self._mirror_settings = {"kind": kind, "prune_after": prune_after, "settle": settle}
+        self._mirror_settings = {"kind": kind, "prune_after": prune_after, "settle": settle, "api": api}
         self.mirror = self.new_mirror()
         self.fingerprint: dict | None = None
         self.show_gauges = gauges

@@ -28,6 +28,7 @@ from ..checkpoints.checkpoint import (ARCHIVE, CHECKPOINTS, KIT_STATE, RETRY_WAI
 from ..checkpoints.journal import EVENTS, Journal, SilentJournal
 from ..checkpoints.snapshot import SNAPSHOTS, recover_saved, take_snapshot
 from ..distributed.ranks import detect as detect_ranks
+from ..drive.confirm import check_confirm, choose_confirmation
 from ..drive.drivefs import UNCONFIRMED, describe_kind, folder_kind
 from ..drive.lease import Lease
 from ..drive.retention import Settle
@@ -137,7 +138,7 @@ def _fetch_best(run: Run, found: Found, places, skipped) -> None:
 def start_run(name: str, *, drive: str | os.PathLike | None = None, local_dir: str | os.PathLike | None = None,
               save_every: str | int | None = "10min", keep: int = 3, resume: bool = True,
               takeover: bool = False, gauges: bool = True, heartbeat_s: float = 30.0, quiet: bool = False,
-              settle: str | float = "10min", assumed_rate: str | float = "1MB/s") -> Run:
+              settle: str | float = "10min", assumed_rate: str | float = "1MB/s", confirm="auto") -> Run:
     """Open (or reopen) a run whose checkpoints survive a runtime reset.
 
     Args:
@@ -164,6 +165,11 @@ def start_run(name: str, *, drive: str | os.PathLike | None = None, local_dir: s
             `assumed_rate` after it was written, and none is deleted until a newer one has; never
             reported as in the cloud. A duration ("10min", or seconds) and a rate ("1MB/s", or
             bytes per second).
+        confirm: how a checkpoint is known to be in the cloud: "auto" (DriveFS's attributes where
+            they answer, else unconfirmed), "attributes" (an error where they are missing), "api"
+            (every file's size and md5 through Drive's API; asks consent once in Colab; pruned
+            checkpoints are deleted for good), or a `ck.DriveApi(endpoint, root)`. Without the
+            package, consent or network, "api" goes on as "auto" and says so (`drive/confirm.py`).
 
     Several processes (torchrun, `accelerate launch`, `notebook_launcher`: RANK and WORLD_SIZE
     set): every rank calls start_run; rank 0 holds the lease, uploads, journals and prints, and
@@ -181,6 +187,7 @@ def start_run(name: str, *, drive: str | os.PathLike | None = None, local_dir: s
                          f"folder name), for example ck.start_run('rna-bert')")
     if not is_count(keep):
         raise ValueError(f"keep={keep!r}: keep at least 1 checkpoint on Drive")
+    check_confirm(confirm)
     save_every_s, save_every_steps = _parse_save_every(save_every)
     settle_rule = Settle(base_s=settle if isinstance(settle, (int, float)) and not isinstance(settle, bool)
                          else parse_duration(settle), rate_bps=parse_rate(assumed_rate))
@@ -221,8 +228,13 @@ def start_run(name: str, *, drive: str | os.PathLike | None = None, local_dir: s
     except OSError as exc:
         raise DriveError(f"cannot write the lease file in {drive_dir}: {exc}. Check that the folder is "
                          f"writable and not full, then run this cell again") from exc
-    kind = folder_kind(drive_dir, on_drive=on_drive)
     notices = Notices()
+    try:
+        kind, api = choose_confirmation(confirm, drive_dir, folder_kind(drive_dir, on_drive=on_drive),
+                                        colab=runtime.colab, say=notices.add)
+    except DriveError:
+        lease.release()
+        raise
     journal = Journal(drive_dir / EVENTS, local_copy=local / EVENTS)
     recover_saved(local / SNAPSHOTS)  # saves the Trainer finished but the kit never got to upload
     _clean_local(local)
@@ -243,7 +255,7 @@ def start_run(name: str, *, drive: str | os.PathLike | None = None, local_dir: s
     run = Run(name, drive_dir, local, on_drive=on_drive, save_every_s=save_every_s,
               save_every_steps=save_every_steps, keep=keep, runtime=runtime, lease=lease,
               journal=journal, notices=notices, gauges=gauges, kind=kind, prune_after=_PRUNE_AFTER, ranks=ranks,
-              settle=settle_rule)
+              settle=settle_rule, api=api)
     if found is not None:
         _fetch_best(run, found, places, skipped)  # before adopt_existing may prune it
     run.mirror.adopt_existing()

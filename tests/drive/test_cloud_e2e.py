@@ -16,6 +16,7 @@ from collections import Counter
 
 import harness  # noqa: E402
 import pytest
+from drive_api_server import DriveApiServer
 
 import colab_kit as ck
 from colab_kit.checkpoints.checkpoint import list_checkpoints
@@ -309,3 +310,29 @@ def test_status_shows_what_is_in_the_cloud_and_what_is_pending(tmp_path, emulate
                          text=True, timeout=60).stdout
     assert "newest in the cloud: checkpoint-10" in out and "pending upload" not in out
     assert read_manifest(drive.cloud / "seen" / "checkpoints" / "checkpoint-10").step == 10
+
+
+@pytest.mark.parametrize("rate", [2e6, 20e6], ids=["2MBps", "20MBps"])
+def test_disconnects_with_api_confirmation_never_lose_the_cloud_checkpoint(tmp_path, emulated_drive, heavy_reference,
+                                                                          monkeypatch, rate):
+    """Issue 10's disconnect scenario on a mount without attributes, confirmed through the API: 8+
+    kills of the job and the emulator together; every `cloud` claim is complete in the cloud at the next
+    kill, each restart resumes from the newest valid cloud checkpoint, the weights are an uninterrupted
+    run's (`disconnect_scenario` checks all of it)."""
+    drive = emulated_drive(rate=rate, attrs=False)
+    server = DriveApiServer(drive.cloud, drive.trash).start()
+    monkeypatch.setenv("COLAB_KIT_DRIVE_API", server.url)
+    monkeypatch.setenv("COLAB_KIT_DRIVE_ROOT", str(drive.mountpoint))
+    try:
+        # Kills land from the first save to past one upload and its first API listing, so that some
+        # confirmations are made, and checked, before a kill.
+        seen = disconnect_scenario(tmp_path, drive, heavy_reference, seed=11, delay=4.0 + 1.4 * 21.6e6 / rate,
+                                   extra=["--confirm", "api"])
+    finally:
+        server.stop()
+    clouds = [e for e in read_events(drive.cloud / "job" / "events.jsonl") if e["event"] == "cloud" and "step" in e]
+    assert seen["claims"] > 0 and clouds and all(e["via"] == "api" for e in clouds)
+    calls = [e["api_calls"] for e in clouds]
+    print(f"{seen['kills']} kills, {seen['claims']} cloud claims, API calls per confirmed checkpoint: {calls}")
+    if rate >= 20e6:
+        assert max(calls) <= 10, calls

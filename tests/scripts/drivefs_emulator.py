@@ -12,7 +12,8 @@ What the mount shows is a *cache* folder (the VM's disk); what survives a runtim
   by path) it joins a FIFO upload queue; one worker uploads it at `--rate` bytes/s and replaces
   the cloud copy atomically (a kill mid-upload leaves the old cloud copy, or none).
 - `user.drive.uncommitted` reads b"1" while a file has changes the cloud lacks, b"0" after;
-  `user.drive.id` reads b"local-<n>" until the item exists in the cloud, then a cloud id;
+  `user.drive.id` reads b"local-<n>" until the item exists in the cloud, then its cloud id, the
+  one the emulated Drive API (`drive_api_server.py`) gives it;
   `user.drive.md5` is the md5 of the cloud copy. Listing attributes shows none (as DriveFS).
   `--no-attrs` answers ENODATA for all of them (a mount where they are missing).
 - unlink, rmdir and rename of an item that exists in the cloud reach the cloud at once, ahead of
@@ -125,10 +126,10 @@ class Node:
 
     _ids = itertools.count(1)
 
-    def __init__(self, path: str, in_cloud: bool = False, md5: str | None = None):
+    def __init__(self, path: str, in_cloud: bool = False, md5: str | None = None, item_id: str | None = None):
         self.path = path
         self.in_cloud = in_cloud  # an item exists in the cloud at `path`
-        self.id = f"cloud-{uuid.uuid4().hex[:16]}" if in_cloud else f"local-{next(self._ids)}"
+        self.id = item_id if in_cloud else f"local-{next(self._ids)}"
         self.dirty = not in_cloud  # the cloud lacks some of the cache's content
         self.md5 = md5  # of the cloud copy
         self.version = 0
@@ -172,12 +173,12 @@ class DriveFS(fuse.Operations):
             rel = "/" + os.path.relpath(root, self.cache).replace(os.sep, "/").lstrip("./")
             rel = "/" if rel in ("/", "/.") else rel
             for name in dirs:
-                self.dir_ids[_join(rel, name)] = f"cloud-{uuid.uuid4().hex[:16]}"
+                self.dir_ids[_join(rel, name)] = cloud_id(self.cloud, self._cloud(_join(rel, name)))
             for name in files:
                 path = _join(rel, name)
                 with open(self._cache(path), "rb") as fh:
                     md5 = hashlib.file_digest(fh, "md5").hexdigest()
-                self.nodes[path] = Node(path, in_cloud=True, md5=md5)
+                self.nodes[path] = Node(path, in_cloud=True, md5=md5, item_id=cloud_id(self.cloud, self._cloud(path)))
                 self.cache_bytes += os.path.getsize(self._cache(path))
         self.trashed = sum(os.path.getsize(os.path.join(self.trash, n)) for n in os.listdir(self.trash))
 
@@ -197,7 +198,11 @@ class DriveFS(fuse.Operations):
             return
         if os.path.exists(cloud_path):
             size = os.path.getsize(cloud_path)
-            os.replace(cloud_path, os.path.join(self.trash, f"{uuid.uuid4().hex[:12]}-{os.path.basename(cloud_path)}"))
+            item = {"id": cloud_id(self.cloud, cloud_path), "parent": cloud_id(self.cloud, os.path.dirname(cloud_path)),
+                    "name": os.path.basename(cloud_path), "file": f"{uuid.uuid4().hex[:12]}-{os.path.basename(cloud_path)}"}
+            os.replace(cloud_path, os.path.join(self.trash, item["file"]))
+            with open(trash_index(self.trash), "a") as index:  # what Drive's API says of a trashed item
+                index.write(json.dumps(item) + "\n")
             self.trashed += size
 
     def _changed(self, node: Node) -> None:
@@ -255,7 +260,7 @@ class DriveFS(fuse.Operations):
                 os.replace(tmp, target)  # a new revision of the same item, not a Trash entry
                 node.in_cloud, node.dirty, node.md5 = True, False, digest.hexdigest()
                 if node.id.startswith("local-"):
-                    node.id = f"cloud-{uuid.uuid4().hex[:16]}"
+                    node.id = cloud_id(self.cloud, target)
 
     # -- quota -----------------------------------------------------------------------------------
     def _grow(self, path: str, new_size: int) -> None:
@@ -320,7 +325,7 @@ class DriveFS(fuse.Operations):
         with self._lock:
             os.mkdir(self._cache(path), mode)
             os.makedirs(self._cloud(path), exist_ok=True)  # folders exist in the cloud at once
-            self.dir_ids[path] = f"cloud-{uuid.uuid4().hex[:16]}"
+            self.dir_ids[path] = cloud_id(self.cloud, self._cloud(path))
         return 0
 
     def rmdir(self, path):
@@ -481,6 +486,21 @@ class DriveFS(fuse.Operations):
 
     def setxattr(self, path, name, value, options, position=0):
         raise fuse.FuseOSError(errno.ENOTSUP)
+
+
+def cloud_id(cloud: str, path: str) -> str:
+    """An item's id: the same in the mount's `user.drive.id` and in the emulated Drive API
+    (tests/scripts/drive_api_server.py), which serves the same cloud folder. Stable across renames
+    (the inode); a new upload of a file is a new inode here, a new revision on Drive (ids are only
+    compared within one listing)."""
+    if os.path.abspath(path) == os.path.abspath(cloud):
+        return "cloud-root"
+    return f"cloud-{os.stat(path).st_ino}"
+
+
+def trash_index(trash: str) -> str:
+    """Where the emulator notes each trashed item's id, parent and name (one JSON line each)."""
+    return os.path.abspath(trash).rstrip("/") + ".index.jsonl"
 
 
 def _debug(*args) -> None:

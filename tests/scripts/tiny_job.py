@@ -6,8 +6,8 @@
 
 --vocab makes checkpoints heavier (unused embedding rows); --prune-after written runs the pruning
 rule before 0.2; --hostname makes the job look as if it ran on another VM; --best adds
-load_best_model_at_end and early stopping; --settle and --assumed-rate set start_run's settle
-rule (a mount without attributes); --timings FILE appends "step seconds time" for every optimizer
+load_best_model_at_end and early stopping; --confirm sets start_run's confirm; --settle and
+--assumed-rate set start_run's settle rule (a mount without attributes); --timings FILE appends "step seconds time" for every optimizer
 step (the seconds since the previous step ended, less --step-sleep: what the loop waited for). A
 live lease of another runtime ends the job with exit code 3.
 
@@ -115,7 +115,8 @@ def start(args, **overrides):
     import colab_kit as ck
 
     kwargs = dict(drive=args.drive, local_dir=args.local, save_every=args.save_every, keep=args.keep,
-                  heartbeat_s=args.heartbeat, settle=args.settle, assumed_rate=args.assumed_rate) | overrides
+                  heartbeat_s=args.heartbeat, settle=args.settle, assumed_rate=args.assumed_rate,
+                  confirm=args.confirm) | overrides
     started = time.monotonic()
     try:
         run = ck.start_run(args.name, **kwargs)
@@ -232,6 +233,8 @@ def main() -> None:
     parser.add_argument("--step-sleep", type=float, default=0.0)
     parser.add_argument("--settle", default="10min")
     parser.add_argument("--assumed-rate", default="1MB/s")
+    parser.add_argument("--confirm", choices=["auto", "attributes", "api"], default="auto",
+                        help="start_run(confirm=...); 'api' reads COLAB_KIT_DRIVE_API and COLAB_KIT_DRIVE_ROOT")
     parser.add_argument("--timings", default=None)
     parser.add_argument("--best", choices=["min", "max"], default=None,
                         help="load_best_model_at_end with early stopping, the metric minimised or maximised")

@@ -1,0 +1,139 @@
+"""`start_run(confirm=...)`: checkpoints confirmed through Drive's API on the DriveFS emulator (issue 22).
+
+The emulator runs without attributes (`--no-attrs`, a mount that reports nothing); the emulated Drive
+API v3 serves its cloud and Trash folders to the real google-api-python-client.
+"""
+
+import json
+import sys
+import types
+
+import pytest
+from drive_api_server import DriveApiServer
+from drivefs_emulator import trash_index
+
+import colab_kit as ck
+from colab_kit.checkpoints.checkpoint import list_checkpoints
+from colab_kit.checkpoints.journal import read_events
+from colab_kit.checkpoints.validity import verify_folder
+from colab_kit.drive import confirm as confirm_module
+from colab_kit.drive.drivefs import API, UNCONFIRMED
+from colab_kit.tasks.demo import tiny_trainer
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def api_drive(emulated_drive):
+    """An emulated Drive without attributes at 20 MB/s, and the Drive API over its cloud."""
+    drive = emulated_drive(rate=20e6, attrs=False)
+    servers = []
+
+    def serve(**kwargs):
+        servers.append(DriveApiServer(drive.cloud, drive.trash, **kwargs).start())
+        return servers[-1]
+
+    yield drive, serve
+    for server in servers:
+        server.stop()
+
+
+def train_with(run, steps=20):
+    trainer = tiny_trainer(run, max_steps=steps, vocab_size=20000)  # ~4 MB checkpoints
+    run.train(trainer)
+    run.finish(timeout=120)
+    return read_events(run.drive_dir / "events.jsonl")
+
+
+def test_every_cloud_claim_comes_from_the_api_and_pruning_leaves_no_trash(api_drive, local):
+    drive, serve = api_drive
+    server = serve()
+    run = ck.start_run("api", drive=drive.mountpoint / "colab_kit", local_dir=local, save_every=5, keep=1,
+                       quiet=True, confirm=ck.DriveApi(server.url, drive.mountpoint))
+    assert run.durability == API
+    events = train_with(run)
+    clouds = [e for e in events if e["event"] == "cloud" and "step" in e]
+    assert clouds and all(e["via"] == "api" for e in clouds)
+    assert max(e["step"] for e in clouds) == 20
+    assert all(1 <= e["api_calls"] <= 10 for e in clouds), [e["api_calls"] for e in clouds]
+    pruned = [s for e in events if e["event"] == "prune" for s in e["steps"]]
+    assert pruned, "nothing was pruned: keep=1 with 4 checkpoints"
+    cloud = {step: path for step, path in list_checkpoints(drive.cloud / "colab_kit" / "api" / "checkpoints")}
+    assert 20 in cloud and verify_folder(cloud[20]) is None and not set(pruned) & set(cloud)
+    # Deleted by id, for good: no file of a checkpoint in Drive's Trash (lease.json's old versions are)
+    checkpoint_files = {p.name for p in cloud[20].iterdir()}
+    trashed = [json.loads(line) for line in open(trash_index(str(drive.trash)))] if drive.trash_bytes() else []
+    assert not [e for e in trashed if e["name"] in checkpoint_files], trashed
+    assert run.status()["api_calls"] == sum(server.calls.values()) > 0
+    assert {m for m, _, _ in server.log} >= {"GET", "DELETE"}
+
+
+def test_rate_limits_and_server_errors_never_confirm_nor_delete_on_doubt(api_drive, local):
+    drive, serve = api_drive
+    server = serve(fail=0.3, seed=5)
+    run = ck.start_run("faulty", drive=drive.mountpoint / "colab_kit", local_dir=local, save_every=5, keep=1,
+                       quiet=True, confirm=ck.DriveApi(server.url, drive.mountpoint))
+    events = train_with(run)
+    assert {status for _, _, status in server.log} >= {403, 500}
+    claimed = [e["step"] for e in events if e["event"] == "cloud" and "step" in e]
+    assert claimed and claimed[-1] == 20
+    for i, event in enumerate(events):  # a prune only ever follows a newer checkpoint's confirmation
+        if event["event"] == "prune":
+            assert any(e["event"] == "cloud" and e.get("step", -1) > max(event["steps"]) for e in events[:i])
+    folder = drive.cloud / "colab_kit" / "faulty" / "checkpoints" / "checkpoint-20"
+    assert verify_folder(folder) is None
+
+
+def test_attributes_only_is_an_error_on_a_mount_without_them(api_drive, local):
+    drive, _ = api_drive
+    with pytest.raises(ck.DriveError, match="confirm='attributes', but .* does not report"):
+        ck.start_run("attrs", drive=drive.mountpoint / "colab_kit", local_dir=local, quiet=True, confirm="attributes")
+    run = ck.start_run("attrs", drive=drive.mountpoint / "colab_kit", local_dir=local, quiet=True)  # lease released
+    run.finish()
+
+
+def test_without_the_package_api_goes_on_as_auto_with_one_message(api_drive, local, monkeypatch, capsys):
+    drive, serve = api_drive
+    server = serve()
+    monkeypatch.setitem(sys.modules, "googleapiclient", None)  # `import googleapiclient...` fails
+    monkeypatch.setitem(sys.modules, "googleapiclient.discovery", None)
+    run = ck.start_run("nopkg", drive=drive.mountpoint / "colab_kit", local_dir=local, quiet=True,
+                       confirm=ck.DriveApi(server.url, drive.mountpoint))
+    assert run.durability == UNCONFIRMED  # what "auto" gives on this mount
+    said = capsys.readouterr()
+    text = said.out + said.err
+    assert text.count("confirm='api'") == 1 and "google-api-python-client is not installed" in text
+    assert "going on as confirm='auto'" in text
+    run.finish()
+
+
+def test_a_refused_consent_in_colab_goes_on_as_auto(tmp_path, monkeypatch, capsys):
+    auth = types.SimpleNamespace(authenticate_user=lambda: (_ for _ in ()).throw(RuntimeError("consent refused")))
+    colab = types.ModuleType("google.colab")
+    colab.auth = auth
+    monkeypatch.setitem(sys.modules, "google.colab", colab)
+    said = []
+    kind, api = confirm_module.choose_confirmation("api", tmp_path, UNCONFIRMED, colab=True, say=said.append)
+    assert (kind, api) == (UNCONFIRMED, None)
+    assert "asks Google for access to your Drive" in capsys.readouterr().out  # what it grants, and why
+    assert len(said) == 1 and "not granted (RuntimeError: consent refused)" in said[0]
+
+
+def test_a_bad_confirm_is_refused_before_anything_starts(drive, local):
+    with pytest.raises(ValueError, match="confirm='cloud'.*'auto'.*'attributes'.*'api'"):
+        ck.start_run("bad", drive=drive, local_dir=local, confirm="cloud")
+    assert not (drive / "bad").exists()
+
+
+def test_drive_check_says_whether_the_api_confirms_and_how_soon(api_drive, monkeypatch):
+    drive, serve = api_drive
+    server = serve()
+    report = ck.drive_check(drive.mountpoint, size_mb=4, interval=0.25, quiet=True,
+                            api=ck.DriveApi(server.url, drive.mountpoint))
+    assert report["attributes"] == {"user.drive.uncommitted": False, "user.drive.id": False, "user.drive.md5": False}
+    api = report["api"]
+    assert api["available"] and api["calls"] >= 1
+    assert 4e6 / 20e6 * 0.8 <= api["md5_s"] <= 10, api  # the upload at 20 MB/s, seen through the API
+    monkeypatch.delenv("COLAB_KIT_DRIVE_API", raising=False)
+    report = ck.drive_check(drive.mountpoint, size_mb=1, interval=0.25, quiet=True)
+    assert report["api"] == {"available": False, "why": "no Drive API given (COLAB_KIT_DRIVE_API, or api=ck.DriveApi(...))"}
