@@ -34,6 +34,7 @@ from ..checkpoints import storage, validity
 from ..checkpoints.checkpoint import list_checkpoints
 from ..checkpoints.journal import Journal
 from ..checkpoints.manifest import MANIFEST
+from ..errors import DriveError
 from .drivefs import PLAIN, UNCONFIRMED, in_cloud
 from .uploads import Upload, cloud_files, upload_for
 
@@ -174,6 +175,8 @@ class CloudTracker:
         before = self.api.calls
         try:
             return self.api.confirm(upload.folder, expected)
+        except DriveError as exc:  # a second folder of the run's name, say: unknown, never a confirmation
+            raise OSError(str(exc)) from exc
         finally:
             upload.api_calls += self.api.calls - before
 

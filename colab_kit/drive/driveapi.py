@@ -68,6 +68,7 @@ class DriveApi:
         self._service = None
         self._ids: dict[Path, str] = {}
         self._lock = threading.Lock()
+        self._requests = threading.Lock()
 
     @classmethod
     def from_environment(cls, environ=None) -> DriveApi | None:
@@ -112,7 +113,8 @@ class DriveApi:
         with self._lock:
             self.calls += 1
         try:
-            return request.execute(num_retries=0)
+            with self._requests:  # httplib2 is not thread-safe: the mirror's thread and run.finish both poll
+                return request.execute(num_retries=0)
         except HttpError as exc:
             status = int(getattr(exc.resp, "status", 0) or 0)
             if status == 404:
@@ -264,6 +266,8 @@ class ApiDeleter:
             self.api.delete(folder)
         except FileNotFoundError:  # already gone from Drive: only the local copy is left
             pass
+        except DriveError as exc:  # e.g. a folder of the same name appeared: nothing deleted, try later
+            raise OSError(str(exc)) from exc
         if first is not None:
             (Path(folder) / first).unlink(missing_ok=True)
         shutil.rmtree(folder, ignore_errors=True)
