@@ -120,8 +120,9 @@ class DriveApi:
             if status == 404:
                 raise FileNotFoundError(f"not in Drive: {exc}") from None
             raise ApiUnavailable(f"Drive API answered {status}: {_reason(exc)}") from None
-        except (OSError, ValueError) as exc:  # no network, a broken connection, an unreadable answer
-            raise ApiUnavailable(f"Drive API unreachable: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 - no network (httplib2's own errors too), expired credentials,
+            # an unreadable answer: nothing is known, and the caller (the mirror's thread) must go on
+            raise ApiUnavailable(f"Drive API unreachable: {type(exc).__name__}: {exc}") from None
 
     def list_children(self, parent: str, *, query: str = "", fields: str = _LIST_FIELDS) -> list[dict]:
         """Every item under folder id `parent` that is not trashed (and matches `query`), all pages."""
