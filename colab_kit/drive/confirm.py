@@ -56,6 +56,10 @@ def choose_confirmation(confirm, drive_dir: Path, kind: str, *, colab: bool, say
         say(f"confirm='api': no Drive API is given here (set COLAB_KIT_DRIVE_API and COLAB_KIT_DRIVE_ROOT, or pass "
             f"confirm=ck.DriveApi(endpoint, root)); going on as confirm='auto': {describe_kind(kind)}")
         return kind, None
+    if api is None and Path(COLAB_ROOT) not in [Path(drive_dir), *Path(drive_dir).parents]:
+        say(f"confirm='api': {drive_dir} is not in Google Drive ({COLAB_ROOT}), so Drive's API cannot confirm it; "
+            f"going on as confirm='auto': {describe_kind(kind)}")
+        return kind, None
     if api is None:
         print(CONSENT, flush=True)
         try:

@@ -59,6 +59,9 @@ def resume_argument(run, value):
                              f"folder {run.drive_dir / CHECKPOINTS}: nothing to resume from. Leave "
                              f"resume_from_checkpoint out (the kit resumes whenever it can) or pass False")
         return str(run.resume_from)
+    if not isinstance(value, (str, os.PathLike)):
+        raise ValueError(f"resume_from_checkpoint={value!r}: give True (the newest valid checkpoint), False (start "
+                         f"at step 0) or the path of a checkpoint folder, as the Trainer takes it")
     path = Path(value)
     if not path.is_dir():
         raise ValueError(f"Can't find a valid checkpoint at {path}: no such folder")

@@ -7,6 +7,7 @@ API v3 serves its cloud and Trash folders to the real google-api-python-client.
 import json
 import sys
 import types
+from pathlib import Path
 
 import pytest
 from drive_api_server import DriveApiServer
@@ -115,10 +116,15 @@ def test_a_refused_consent_in_colab_goes_on_as_auto(tmp_path, monkeypatch, capsy
     colab.auth = auth
     monkeypatch.setitem(sys.modules, "google.colab", colab)
     said = []
-    kind, api = confirm_module.choose_confirmation("api", tmp_path, UNCONFIRMED, colab=True, say=said.append)
+    run_dir = Path("/content/drive/MyDrive/colab_kit/run")
+    kind, api = confirm_module.choose_confirmation("api", run_dir, UNCONFIRMED, colab=True, say=said.append)
     assert (kind, api) == (UNCONFIRMED, None)
     assert "asks Google for access to your Drive" in capsys.readouterr().out  # what it grants, and why
     assert len(said) == 1 and "not granted (RuntimeError: consent refused)" in said[0]
+    # A folder outside Drive: nothing to ask consent for.
+    kind, api = confirm_module.choose_confirmation("api", tmp_path, "plain", colab=True, say=said.append)
+    assert (kind, api) == ("plain", None) and "is not in Google Drive" in said[-1]
+    assert "asks Google" not in capsys.readouterr().out
 
 
 def test_a_bad_confirm_is_refused_before_anything_starts(drive, local):

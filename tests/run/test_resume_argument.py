@@ -106,5 +106,7 @@ def test_a_damaged_or_missing_path_is_refused_with_nothing_changed(drive, local)
         run.train(trainer, resume_from_checkpoint=str(damaged))
     with pytest.raises(ValueError, match="Can't find a valid checkpoint at"):
         run.train(trainer, resume_from_checkpoint=str(run.drive_dir / "checkpoints" / "checkpoint-7"))
+    with pytest.raises(ValueError, match="give True .*False .*or the path of a checkpoint folder"):
+        run.train(trainer, resume_from_checkpoint=5)
     assert trainer.state.global_step == 0 and run.resume_from.name == "checkpoint-10"
     run.finish()
