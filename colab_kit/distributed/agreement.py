@@ -14,7 +14,7 @@ Without a process group every helper is the single-process answer: the error is 
 from __future__ import annotations
 
 from ..errors import RankFailedError
-from .ranks import _device, group
+from .ranks import _device, all_agree, group
 
 __all__ = ["agree_micro_batch", "agree_outcome", "RankFailedError"]
 
@@ -64,12 +64,7 @@ def agree_outcome(error: BaseException | None, where: str, *, step: int | None =
         if error is not None:
             raise error
         return
-    import torch
-
-    flags = torch.zeros(dist.get_world_size(), dtype=torch.int64, device=_device(dist))
-    flags[dist.get_rank()] = int(error is not None)
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    failed = [r for r, bad in enumerate(flags.tolist()) if bad]
+    failed = all_agree(error is None)  # the ranks that failed, known to every rank
     if failed:
         _raise_everywhere(dist, failed, error, where, step)
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import DriveError
-from .driveapi import COLAB_ROOT, AmbiguousFolder, DriveApi, unavailable_message
+from .driveapi import COLAB_ROOT, DriveApi, unavailable_message
 from .drivefs import API, DRIVEFS, describe_kind
 
 __all__ = ["CONFIRM_MODES", "check_confirm", "choose_confirmation"]
@@ -75,7 +75,7 @@ def choose_confirmation(confirm, drive_dir: Path, kind: str, *, colab: bool, say
         api.folder_id(drive_dir)  # the package, the credentials and the network, asked once now
     except FileNotFoundError:
         pass  # the API answers; the folder, just made, has not reached Drive yet
-    except (AmbiguousFolder, DriveError):
+    except DriveError:  # an AmbiguousFolder among them: refused, never a fallback
         raise
     except Exception as exc:  # noqa: BLE001 - no package, no network, refused credentials
         say(f"confirm='api': {api.describe()} cannot be used ({unavailable_message(exc)}); going on as "

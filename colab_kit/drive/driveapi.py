@@ -25,7 +25,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from ..errors import DriveError
-from .drivefs import cloud_id
+from .drivefs import API, cloud_id
 
 __all__ = ["FOLDER", "AmbiguousFolder", "ApiDeleter", "ApiUnavailable", "DriveApi", "quote", "unavailable_message"]
 
@@ -251,7 +251,7 @@ class ApiDeleter:
     Drive's Trash, and the user's Trash is never emptied), then the mount's local copy, which DriveFS
     no longer has anything to upload or trash for. The interface of `drivefs.TrashFreeDeleter`."""
 
-    kind = "api"
+    kind = API
 
     def __init__(self, api: DriveApi):
         self.api = api

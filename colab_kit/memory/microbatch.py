@@ -89,6 +89,7 @@ class TrainerMicroBatching:
         self._saved: dict | None = None
         self._gpu = run.runtime.gpu.name if run.runtime.gpu else "cpu"
         self._shifts = self._loss_shifts_labels(trainer)
+        self._smoother_own_mean = _own_mean(getattr(trainer, "label_smoother", None))  # once, not every step
 
     # -- install / uninstall -------------------------------------------------------------------
     def why_not(self) -> str | None:
@@ -232,7 +233,7 @@ class TrainerMicroBatching:
             return num_items_in_batch, "sum", None
         if t.compute_loss_func is not None:  # declared a per-batch mean: the Trainer still passes N
             return num_items_in_batch, self._items, None
-        if num_items_in_batch is None or t.args.n_gpu > 1 or _own_mean(getattr(t, "label_smoother", None)):
+        if num_items_in_batch is None or t.args.n_gpu > 1 or self._smoother_own_mean:
             return None, self._items, None
         total = float(num_items_in_batch)
         if getattr(t.args, "average_tokens_across_devices", False) and t.model_accepts_loss_kwargs:
