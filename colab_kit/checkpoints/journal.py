@@ -13,12 +13,13 @@ import json
 import logging
 import os
 import threading
-import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import storage
+from .._clock import Late, clock
+from . import looks, storage
 
-__all__ = ["EVENTS", "Journal", "SilentJournal", "read_events"]
+__all__ = ["EVENTS", "Journal", "SilentJournal", "read_events", "History", "history", "read_history"]
 
 EVENTS = "events.jsonl"
 _INLINE_WAIT_S = 10.0
@@ -40,6 +41,7 @@ class Journal:
         self.on_pending = None  # wakes the flusher thread after a line is queued (None: `write` flushes)
         self._pending: list[str] = []
         self._tail_suspect = True  # the first flush mends a line torn by a killed process
+        self.stopped: str | None = None  # why nothing more goes to the persistent folder (the lease was lost)
         self._lock = threading.Lock()  # the queue: held for microseconds, never across I/O
         self._flushing = threading.Lock()  # one flusher at a time, so lines stay in order
         if self.local_copy is not None:
@@ -53,15 +55,10 @@ class Journal:
         # A kill in the middle of an append leaves a line without its newline; the next event
         # must start on a line of its own or it would be glued to the torn one.
         try:
-            with open(path, "rb") as fh:
-                fh.seek(0, os.SEEK_END)
-                if fh.tell() == 0:
-                    return
-                fh.seek(-1, os.SEEK_END)
-                torn = fh.read(1) != b"\n"
+            last = storage.read_tail(path, 1)
         except FileNotFoundError:
             return
-        if torn:
+        if last and last != b"\n":
             storage.append_line(path, "")
 
     @property
@@ -70,9 +67,15 @@ class Journal:
         with self._lock:
             return len(self._pending)
 
+    def stop_persistent(self, reason: str) -> None:
+        """From now on lines go to the local copy only (the run folder is another runtime's now)."""
+        with self._lock:
+            self.stopped = reason
+            self._pending.clear()
+
     def write(self, event: str, **fields) -> dict:
         """Record one event; returns the record. Touches only the local disk, never raises for I/O."""
-        record = {"event": event, "time": round(time.time(), 3), **fields}
+        record = {"event": event, "time": round(clock.time(), 3), **fields}
         line = json.dumps(record, default=str, sort_keys=False)
         if self.local_copy:
             try:
@@ -80,11 +83,16 @@ class Journal:
             except OSError as exc:
                 log.debug("local journal copy failed: %s", exc)
         with self._lock:
+            if self.stopped is not None:
+                return record
             self._pending.append(line)
         if self.on_pending is not None:
             self.on_pending()
-        else:  # no flusher thread (before the mirror starts, after it stopped): the writer flushes,
-            self.flush(timeout=_INLINE_WAIT_S)  # waiting a bounded time for a flush stuck on Drive
+        else:  # no flusher thread (before the mirror starts, after it stopped): flushed now, waited for
+            try:  # a bounded time on a stuck Drive (the lines wait for the next flush then)
+                clock.within(_INLINE_WAIT_S, lambda: self.flush(timeout=0), name="colab_kit-journal")
+            except Late:
+                log.debug("journal flush to %s is slow; %d line(s) wait", self.path, self.pending)
         return record
 
     def flush(self, timeout: float | None = None) -> bool:
@@ -122,20 +130,99 @@ class SilentJournal(Journal):
         super().__init__(Path(os.devnull))
 
     def write(self, event: str, **fields) -> dict:
-        return {"event": event, "time": round(time.time(), 3), **fields}
+        return {"event": event, "time": round(clock.time(), 3), **fields}
 
     def flush(self, timeout: float | None = None) -> bool:
         return True
 
 
 def read_events(path: str | Path) -> list[dict]:
-    """All events of a journal, oldest first; a torn or foreign line is skipped."""
-    events = []
+    """All events of a journal, oldest first; a torn or foreign line is skipped; [] when there is none."""
     try:
-        lines = Path(path).read_text(encoding="utf-8", errors="replace").splitlines()
+        return _parse(storage.read_bytes(path))
     except FileNotFoundError:
         return []
-    for line in lines:
+
+
+@dataclass
+class History:
+    """What a run's journal says of its checkpoints since its last fresh start (an `archive` event).
+
+    Attributes:
+        synced: steps written to the persistent folder (`sync`), not pruned since.
+        confirmed: steps confirmed in the cloud (`cloud`), not pruned since: such a checkpoint becomes
+            invalid only on positive evidence, never because it cannot be seen.
+    """
+
+    synced: set[int] = field(default_factory=set)
+    confirmed: set[int] = field(default_factory=set)
+
+    @property
+    def expected(self) -> set[int]:
+        """The checkpoints that should be in the run folder."""
+        return self.synced | self.confirmed
+
+    @property
+    def newest_confirmed(self) -> int | None:
+        return max(self.confirmed, default=None)
+
+
+def history(events: list[dict]) -> History:
+    """Fold `events` (in time order) into a `History`."""
+    told = History()
+    for event in events:
+        kind, step = event.get("event"), event.get("step")
+        if kind == "archive":
+            told = History()
+        elif kind == "sync" and isinstance(step, int):
+            told.synced.add(step)
+        elif kind == "cloud" and isinstance(step, int):
+            told.confirmed.add(step)
+        elif kind == "prune":
+            for gone in event.get("steps") or []:
+                told.synced.discard(gone)
+                told.confirmed.discard(gone)
+    return told
+
+
+def read_history(path: str | Path, local_copy: str | Path | None = None, *, expected: bool = True,
+                 waits=(1.0, 2.0, 4.0)) -> History:
+    """The `History` of the journal at `path` (the persistent folder's) and its `local_copy` together.
+
+    A journal that cannot be read is asked again after each of `waits`; one missing is looked for again
+    (`looks.again`) before it counts as none, where one is `expected` (the folder holds checkpoints).
+
+    Raises:
+        OSError: the journal could not be read (what it says is unknown).
+    """
+    def look():
+        try:
+            return storage.read_bytes(path)
+        except FileNotFoundError:
+            return None
+
+    for wait in (*waits, None):
+        try:
+            raw = looks.again(look, lambda answer: answer is None, None if expected else ())
+            break
+        except OSError:
+            if wait is None:
+                raise
+            clock.sleep(wait)
+    events = _parse(raw or b"")
+    if local_copy is not None:
+        try:
+            seen = {json.dumps(e, sort_keys=True) for e in events}
+            events += [e for e in _parse(storage.read_bytes(local_copy)) if json.dumps(e, sort_keys=True) not in seen]
+        except OSError:
+            pass  # the local copy only adds what Drive has not got yet
+    events.sort(key=lambda e: e.get("time", 0.0) if isinstance(e.get("time"), (int, float)) else 0.0)
+    return history(events)
+
+
+def _parse(raw: bytes) -> list[dict]:
+    events = []
+    for line in raw.decode("utf-8", errors="replace").splitlines():
         line = line.strip()
         if not line:
             continue

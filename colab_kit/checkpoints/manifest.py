@@ -9,14 +9,14 @@ matches its manifest is decided in one place, `validity.py`.
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from .._clock import clock
 from ..runtime import KIT_VERSION
 from . import storage
 
-__all__ = ["MANIFEST", "Manifest", "FileEntry", "hash_folder", "read_manifest", "write_manifest"]
+__all__ = ["MANIFEST", "Manifest", "FileEntry", "hash_folder", "parse_manifest", "read_manifest", "write_manifest"]
 
 MANIFEST = "MANIFEST.json"
 _FORMAT = 1
@@ -36,7 +36,7 @@ class Manifest:
     step: int
     files: dict[str, FileEntry]
     fingerprint: dict = field(default_factory=dict)
-    created: float = field(default_factory=time.time)
+    created: float = field(default_factory=clock.time)
     kit_version: str = KIT_VERSION  # the kit that wrote it
     kit_state: dict = field(default_factory=dict)  # the training clock (one file fewer to upload)
     format: int = _FORMAT
@@ -58,21 +58,29 @@ class Manifest:
 
 
 def _data_files(folder: Path) -> list[Path]:
-    files = [p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST
-             and not storage.is_temp_name(p.name)]
-    return sorted(files)
+    return [p for p in storage.files_under(folder) if p.name != MANIFEST and not storage.is_temp_name(p.name)]
 
 
 def hash_folder(folder: str | Path) -> dict[str, FileEntry]:
     """Size, sha256 and md5 of every data file in `folder` (relative POSIX names)."""
     folder = Path(folder)
-    return {p.relative_to(folder).as_posix(): FileEntry(p.stat().st_size, *storage.file_digests(p))
+    return {p.relative_to(folder).as_posix(): FileEntry(storage.stat(p).st_size, *storage.file_digests(p))
             for p in _data_files(folder)}
 
 
 def write_manifest(folder: str | Path, manifest: Manifest) -> None:
     """Write MANIFEST.json atomically (call only after every data file is durable)."""
     storage.atomic_write_json(Path(folder) / MANIFEST, manifest.to_json())
+
+
+def parse_manifest(raw: bytes | None) -> Manifest | None:
+    """The manifest in `raw` (a MANIFEST.json's bytes), or None when there is none or it does not parse."""
+    if raw is None:
+        return None
+    try:
+        return Manifest.from_json(json.loads(raw))
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def read_manifest(folder: str | Path) -> Manifest:

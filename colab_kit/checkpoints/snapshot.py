@@ -15,12 +15,10 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import shutil
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .._clock import clock
 from . import storage
 from .manifest import MANIFEST, Manifest, hash_folder, write_manifest
 
@@ -41,7 +39,7 @@ class Snapshot:
     fingerprint: dict = field(default_factory=dict)
     stamps: dict[str, tuple[int, int]] = field(default_factory=dict)  # name -> (size, mtime_ns)
     source: Path | None = None  # the folder it was taken from (gets a local MANIFEST too)
-    taken: float = field(default_factory=time.time)
+    taken: float = field(default_factory=clock.time)
     kit_state: dict = field(default_factory=dict)  # recorded in the manifest
 
     @property
@@ -50,7 +48,7 @@ class Snapshot:
 
 
 def stamp(path: Path) -> tuple[int, int]:
-    st = path.stat()
+    st = storage.stat(path)
     return st.st_size, st.st_mtime_ns
 
 
@@ -63,28 +61,26 @@ def take_snapshot(source: str | Path, snapshots_root: str | Path, step: int,
     """
     source = Path(source)
     target = Path(snapshots_root) / f"checkpoint-{step}"
-    if target.exists():
-        shutil.rmtree(target)
+    storage.remove_tree(target)
     stamps = {}
-    for path in sorted(source.rglob("*")):
-        if not path.is_file() or path.name == MANIFEST or storage.is_temp_name(path.name):
+    for path in storage.files_under(source):
+        if path.name == MANIFEST or storage.is_temp_name(path.name):
             continue
         name = path.relative_to(source).as_posix()
         dst = target / name
-        dst.parent.mkdir(parents=True, exist_ok=True)
+        storage.make_dirs(dst.parent)
         try:
-            os.link(path, dst)
+            storage.link(path, dst)
         except OSError:  # EXDEV, or a filesystem without hard links
-            shutil.copy2(path, dst)
+            storage.copy_file(path, dst, durable=False)
         stamps[name] = stamp(dst)
     snap = Snapshot(step=step, path=target, fingerprint=dict(fingerprint or {}), stamps=stamps,
                     source=source, kit_state=dict(kit_state or {}))
     # Written whole (temp + rename) but not fsynced: it guards against a dead process, whose page cache
     # the VM keeps, and an fsync right after a large save can wait for all of it to reach the disk.
-    record, tmp = _record(snap.path), _record(snap.path).with_suffix(".json.tmp")
-    tmp.write_text(json.dumps({"step": step, "stamps": stamps, "fingerprint": snap.fingerprint,
-                               "kit_state": snap.kit_state, "taken": snap.taken, "source": str(source)}))
-    os.replace(tmp, record)
+    storage.atomic_write_bytes(_record(snap.path), json.dumps(
+        {"step": step, "stamps": stamps, "fingerprint": snap.fingerprint, "kit_state": snap.kit_state,
+         "taken": snap.taken, "source": str(source)}).encode(), durable=False)
     return snap
 
 
@@ -93,8 +89,15 @@ def _record(path: Path) -> Path:
 
 
 def discard(snap: Snapshot) -> None:
-    _record(snap.path).unlink(missing_ok=True)
-    shutil.rmtree(snap.path, ignore_errors=True)
+    """Let go of a snapshot's local links (the Trainer's own folder, and the persistent folder, keep theirs)."""
+    try:
+        storage.unlink(_record(snap.path))
+    except OSError:
+        pass  # never written, or the local disk is in trouble: nothing else to do
+    try:
+        storage.remove_tree(snap.path)
+    except OSError as exc:
+        log.debug("could not remove %s: %s", snap.path, exc)
 
 
 def recover_saved(snapshots_root: str | Path) -> list[int]:
@@ -102,17 +105,22 @@ def recover_saved(snapshots_root: str | Path) -> list[int]:
     record matches its files) but whose manifest was never written (the process died first); returns
     their steps. What does not match its record is left as it is."""
     recovered = []
-    for record in sorted(Path(snapshots_root).glob("checkpoint-*.json")):
+    try:
+        records = sorted(Path(e.path) for e in storage.list_dir(snapshots_root)
+                         if e.name.startswith("checkpoint-") and e.name.endswith(".json"))
+    except OSError:
+        return recovered
+    for record in records:
         try:
-            data = json.loads(record.read_text())
+            data = json.loads(storage.read_bytes(record))
             snap = Snapshot(step=int(data["step"]), path=record.with_suffix(""), fingerprint=data["fingerprint"],
                             stamps={k: tuple(v) for k, v in data["stamps"].items()}, source=Path(data["source"]),
                             taken=float(data["taken"]), kit_state=data["kit_state"])
         except (OSError, ValueError, KeyError, TypeError):
             continue
-        if snap.source is None or (snap.source / MANIFEST).exists() or not snap.source.is_dir():
-            continue
         try:
+            if storage.exists(snap.source / MANIFEST) or not storage.is_dir(snap.source):
+                continue
             if not all(stamp(snap.source / n) == s for n, s in snap.stamps.items()):
                 continue
             files = hash_folder(snap.source)

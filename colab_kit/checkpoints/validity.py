@@ -4,13 +4,19 @@ A folder is VALID when its MANIFEST.json parses, names its own step, and every f
 with the listed size and sha256. A verdict is one of four, and only two of them are facts:
 
     VALID        read completely and matching: it may be resumed from, kept and counted
-    INVALID      read completely and not matching (truncated, corrupted, a missing file, a manifest
-                 for another step): it is never resumed from, counted or called in the cloud
-    UNFINISHED   the folder has no MANIFEST.json: a save or upload that did not finish (or one in
-                 progress); it is nobody's checkpoint yet
-    UNKNOWN      a read failed (EIO, errno 107, a stall that timed out, a full local disk while
-                 fetching): nothing is known, so nothing may be decided from it. It costs time
-                 (look again later), never a deletion, a takeover or a claim.
+    INVALID      read completely and not matching, on positive evidence: a file of another size, bytes
+                 whose sha256 differs (read twice, the same), a manifest read whole that does not parse
+                 (twice) or names another step. It is never resumed from, counted or called in the cloud
+    UNFINISHED   no MANIFEST.json at this look: a save or upload that did not finish (or one in
+                 progress), or a manifest Drive hides for a moment (`absent`)
+    UNKNOWN      a read failed (EIO, errno 107, a stall that timed out, a torn read, a full local disk
+                 while fetching), or a file the manifest lists is missing at this look (`absent`):
+                 nothing is known, so nothing may be decided from it. It costs time (look again
+                 later), never a deletion, a takeover or a claim.
+
+Absence is not evidence (`looks.py`): a missing manifest or file is one look's answer. `settled`
+looks again, spaced in time, before a caller acts on it; and a checkpoint once confirmed in the cloud
+(the journal says so) never becomes INVALID by absence, however many looks agree.
 
 Hashing a multi-GB checkpoint on Drive is slow, so verdicts are cached per manifest: keyed by the
 folder, the manifest's own sha256 and every file's (size, mtime). A later check of an unchanged
@@ -26,11 +32,11 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import storage
+from . import looks, storage
 from .manifest import MANIFEST, Manifest
 
-__all__ = ["VALID", "INVALID", "UNFINISHED", "UNKNOWN", "SIZES_MATCH", "Verdict", "check", "verify_folder", "remember",
-           "forget"]
+__all__ = ["VALID", "INVALID", "UNFINISHED", "UNKNOWN", "SIZES_MATCH", "Verdict", "check", "settled", "verify_folder",
+           "remember", "forget", "forget_under"]
 
 VALID, INVALID, UNFINISHED, UNKNOWN = "valid", "invalid", "unfinished", "unknown"
 SIZES_MATCH = "every file has its size; the bytes are not read yet"
@@ -41,6 +47,7 @@ class Verdict:
     state: str
     reason: str = ""
     manifest: Manifest | None = None
+    absent: bool = False  # the answer of one look that found something missing (never a fact by itself)
 
     @property
     def valid(self) -> bool:
@@ -67,12 +74,19 @@ def _read_manifest(folder: Path) -> tuple[Verdict | None, Manifest | None, str]:
     try:
         raw = storage.read_bytes(folder / MANIFEST)
     except FileNotFoundError:
-        return Verdict(UNFINISHED, "no MANIFEST.json (the save or upload did not finish)"), None, ""
+        return Verdict(UNFINISHED, "no MANIFEST.json (the save or upload did not finish)", absent=True), None, ""
     except OSError as exc:
         return _unknown(MANIFEST, exc), None, ""
     try:
         manifest = Manifest.from_json(json.loads(raw))
     except (ValueError, KeyError, TypeError) as exc:
+        # Evidence only when read whole, twice alike: a torn read returns part of the file.
+        try:
+            whole = len(raw) == storage.stat(folder / MANIFEST).st_size and storage.read_bytes(folder / MANIFEST) == raw
+        except OSError as again:
+            return _unknown(MANIFEST, again), None, ""
+        if not whole:
+            return Verdict(UNKNOWN, "MANIFEST.json was not read whole (a torn read)"), None, ""
         return Verdict(INVALID, f"unreadable MANIFEST.json ({exc})"), None, ""
     return None, manifest, hashlib.sha256(raw).hexdigest()
 
@@ -83,7 +97,7 @@ def _stamps(folder: Path, manifest: Manifest) -> tuple[Verdict | None, dict]:
         try:
             st = storage.stat(folder / name)
         except FileNotFoundError:
-            return Verdict(INVALID, f"{name} is missing", manifest), {}
+            return _missing(name, manifest), {}
         except OSError as exc:
             return _unknown(name, exc), {}
         if st.st_size != entry.size:
@@ -119,13 +133,33 @@ def check(folder: str | Path, *, step: int | None = None, hashes: bool = True) -
     for name, entry in manifest.files.items():
         try:
             sha = storage.sha256_file(folder / name)
+            if sha != entry.sha256 and storage.sha256_file(folder / name) != sha:  # evidence: the same twice
+                return Verdict(UNKNOWN, f"{name} read differently twice (a torn read)", manifest)
         except FileNotFoundError:
-            return Verdict(INVALID, f"{name} is missing", manifest)
+            return _missing(name, manifest)
         except OSError as exc:
             return _unknown(name, exc)
         if sha != entry.sha256:
             return _remember(key, stamps, Verdict(INVALID, f"{name} does not match its sha256 (corrupted)", manifest))
     return _remember(key, stamps, Verdict(VALID, "", manifest))
+
+
+def _missing(name: str, manifest: Manifest) -> Verdict:
+    return Verdict(UNKNOWN, f"{name} is missing at this look", manifest, absent=True)
+
+
+def settled(folder: str | Path, *, step: int | None = None, confirmed: bool = False, waits=None) -> Verdict:
+    """`check`, looked at again (`looks.again`) while something is missing, so that an absence is
+    acted on only when every look agreed.
+
+    Then: no manifest at any look is UNFINISHED; a listed file missing at every look is INVALID for a
+    checkpoint never confirmed in the cloud (an upload that died with its runtime), and stays UNKNOWN
+    for one that was (`confirmed`: the journal says so), which only positive evidence makes invalid."""
+    verdict = looks.again(lambda: check(folder, step=step), lambda v: v.absent, waits)
+    if verdict.state == UNKNOWN and verdict.absent and not confirmed:
+        reason = verdict.reason.replace("at this look", f"at every look over {looks.span(waits):.0f} s")
+        return Verdict(INVALID, reason, verdict.manifest)
+    return verdict
 
 
 def verify_folder(folder: str | Path) -> str | None:
@@ -160,3 +194,17 @@ def forget(folder: str | Path) -> None:
     with _lock:
         for key in [k for k in _cache if k[0] == prefix]:
             del _cache[key]
+
+
+def forget_under(root: str | Path) -> None:
+    """Drop what is known of every folder under `root` (moved away: the archive of a fresh start)."""
+    prefix = str(Path(root).absolute()) + "/"
+    with _lock:
+        for key in [k for k in _cache if k[0].startswith(prefix)]:
+            del _cache[key]
+
+
+def clear() -> None:
+    """Forget every verdict (the simulator starts each schedule with nothing known)."""
+    with _lock:
+        _cache.clear()

@@ -8,7 +8,8 @@ with the same error; no rank deletes anything.
 
 from __future__ import annotations
 
-from ..checkpoints.checkpoint import CHECKPOINTS, checkpoint_dir, find_latest
+from ..checkpoints.checkpoint import CHECKPOINTS, checkpoint_dir
+from ..checkpoints.search import find_latest
 from ..checkpoints import validity
 from ..errors import CheckpointError
 from .ranks import all_agree, barrier, broadcast_object, group

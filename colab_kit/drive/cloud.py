@@ -24,10 +24,9 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from pathlib import Path
-from typing import Callable
 
+from .._clock import Late, clock
 from .._notices import Countdown
 from .._units import format_age, format_bytes
 from ..checkpoints import storage, validity
@@ -68,6 +67,7 @@ class CloudTracker:
         self._last_confirmed: float | None = None
         self.last_bytes = 0  # size of the newest checkpoint written
         self._lock = threading.RLock()
+        self._polling = threading.Lock()  # one poll at a time (one may hang on a stalled mount)
 
     # -- adding and forgetting ---------------------------------------------------------------------
     def add(self, upload: Upload, *, confirmed: bool | None = None) -> bool:
@@ -80,9 +80,9 @@ class CloudTracker:
             self._items.append(upload)
             if upload.step is not None:
                 self.last_bytes = upload.bytes
-            upload.next_poll = time.monotonic() + (self._first_api_poll(upload) if self.api is not None else POLL_MIN_S)
+            upload.next_poll = clock.monotonic() + (self._first_api_poll(upload) if self.api is not None else POLL_MIN_S)
             if confirmed:
-                upload.confirmed, upload.confirmed_at, upload.pending_bytes = time.monotonic(), time.time(), 0
+                upload.confirmed, upload.confirmed_at, upload.pending_bytes = clock.monotonic(), clock.time(), 0
                 return True
             if self.kind != PLAIN:
                 return False
@@ -95,7 +95,12 @@ class CloudTracker:
         cloud are known (no `cloud` event: not news), the others are followed. What was verified
         (the checkpoint resumed from) is claimed at once; the others are read before they are
         counted (`Pruner.prune`). Unfinished, invalid and unreadable folders are not followed."""
-        for step, path in list_checkpoints(root):
+        try:
+            listed = list_checkpoints(root)
+        except OSError as exc:
+            log.debug("cannot list %s yet: %s", root, exc)
+            return
+        for step, path in listed:
             verdict = validity.check(path, step=step, hashes=False)
             if verdict.state != validity.VALID and verdict.reason != validity.SIZES_MATCH:
                 log.debug("not adopting %s: %s", path, verdict)
@@ -128,7 +133,15 @@ class CloudTracker:
         The attributes are read outside the lock: a slow or hung mount delays only the poller,
         never the training loop reading `summary()` for the gauges.
         """
-        now = time.monotonic()
+        if not self._polling.acquire(blocking=False):
+            return []  # another poll is under way (perhaps stuck on Drive): it says what it finds
+        try:
+            return self._poll(force)
+        finally:
+            self._polling.release()
+
+    def _poll(self, force: bool) -> list[Upload]:
+        now = clock.monotonic()
         with self._lock:  # on an UNCONFIRMED folder the poll only sees whether the files are there
             due = [u for u in self._items if u.confirmed is None and (force or now >= u.next_poll)]
         seen = []
@@ -182,14 +195,14 @@ class CloudTracker:
 
     def missing(self, grace: float) -> list[Upload]:
         """What a poll has not found for `grace` seconds or more (the mirror uploads it again)."""
-        now = time.monotonic()
+        now = clock.monotonic()
         with self._lock:
             return [u for u in self._items if u.missing_since is not None and now - u.missing_since >= grace]
 
     def _confirm(self, upload: Upload) -> None:
         """Mark `upload` in the cloud and take a rate sample (with the lock held)."""
-        now = time.monotonic()
-        upload.confirmed, upload.confirmed_at, upload.pending_bytes = now, time.time(), 0
+        now = clock.monotonic()
+        upload.confirmed, upload.confirmed_at, upload.pending_bytes = now, clock.time(), 0
         # Uploads go one after another: this one had the line to itself from the moment it was
         # written or the previous one landed, whichever came later.
         began = max(upload.started, self._last_confirmed or upload.started)
@@ -212,7 +225,7 @@ class CloudTracker:
         """Seconds until an item is due for polling; None when nothing waits."""
         with self._lock:
             due = [u.next_poll for u in self._items if u.confirmed is None]
-        return max(0.0, min(due) - time.monotonic()) if due else None
+        return max(0.0, min(due) - clock.monotonic()) if due else None
 
     # -- what is known -------------------------------------------------------------------------------
     @property
@@ -244,12 +257,6 @@ class CloudTracker:
         with self._lock:
             return {u.step for u in self._items if u.step is not None}
 
-    def settled_steps(self, age: Callable[[int], float]) -> set[int]:
-        """Checkpoints written at least `age(bytes)` seconds ago (a Drive mount without attributes)."""
-        now = time.time()
-        with self._lock:
-            return {u.step for u in self._items if u.step is not None and now - u.written_at >= age(u.bytes)}
-
     def newest_in_cloud(self) -> Upload | None:
         with self._lock:
             done = [u for u in self._items if u.confirmed is not None and u.step is not None and u.verified]
@@ -276,13 +283,17 @@ class CloudTracker:
 
     def wait(self, deadline: float | None) -> bool:
         """Poll until everything written is in the cloud or `deadline` (monotonic) passes, showing
-        a countdown (main thread only); False at once on a folder that cannot confirm uploads."""
+        a countdown (main thread only); False at once on a folder that cannot confirm uploads. A poll
+        that hangs on Drive goes on in the background: the deadline holds."""
         countdown = None
         while True:
-            self.poll()
+            try:
+                clock.within(None if deadline is None else max(0.05, deadline - clock.monotonic()), self.poll)
+            except Late:
+                pass
             if self.all_in_cloud() or self.kind == UNCONFIRMED:
                 return self.all_in_cloud()
-            left = None if deadline is None else deadline - time.monotonic()
+            left = None if deadline is None else deadline - clock.monotonic()
             if left is not None and left <= 0:
                 return False
             countdown = countdown or Countdown()
@@ -291,7 +302,7 @@ class CloudTracker:
                            f"({self.pending_labels()})"
                            + (f": ~{format_age(eta)} left at {format_bytes(rate)}/s" if eta and rate else "")
                            + (f"; giving up in {format_age(left)}" if left is not None else ""))
-            time.sleep(min(1.0, left) if left is not None else 1.0)
+            clock.sleep(min(1.0, left) if left is not None else 1.0)
 
     def pending_labels(self) -> str:
         """"checkpoint-60, final/": what is written and not yet in the cloud."""
@@ -304,7 +315,7 @@ class CloudTracker:
         return {
             "durability": self.kind,
             "cloud_step": newest.step if newest else None,
-            "cloud_age_s": round(time.time() - newest.saved, 1) if newest else None,
+            "cloud_age_s": round(clock.time() - newest.saved, 1) if newest else None,
             "pending": [u.label for u in self.pending()],
             "pending_bytes": self.pending_bytes,
             "pending_eta_s": round(eta, 1) if eta is not None else None,
@@ -320,6 +331,9 @@ class CloudTracker:
             written = [u.label for u in pending]
             return ("written to Drive, upload not confirmed: " + ", ".join(written)) if written else \
                 "nothing written to Drive yet"
+        if self.kind == PLAIN:  # a plain folder has no cloud: saved is what there is to say
+            return (f"saved: {facts['cloud_step']} ({format_age(facts['cloud_age_s'])} old)"
+                    if facts["cloud_step"] is not None else "nothing saved yet")
         if facts["cloud_step"] is not None:
             text = f"in the cloud: {facts['cloud_step']} ({format_age(facts['cloud_age_s'])} old)"
         else:

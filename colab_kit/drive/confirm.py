@@ -1,14 +1,15 @@
 """How `start_run(confirm=...)` learns that a checkpoint is in the cloud.
 
     "auto"        DriveFS's upload attributes where the mount reports them; otherwise written,
-                  upload not confirmed (a settle age before anything older is deleted)
+                  upload not confirmed (and the rate-independent ladder of `retention.py` is kept)
     "attributes"  the attributes only: an error where the mount does not report them
     "api"         Drive's API: every file's size and md5 as Drive's servers hold them
                   (`driveapi.py`). In Colab it asks for consent once per runtime; elsewhere it
                   needs COLAB_KIT_DRIVE_API (and COLAB_KIT_DRIVE_ROOT), or a `ck.DriveApi(...)`
                   passed as `confirm=`
-A refused consent, a missing package or no network turns "api" into "auto" with one message: the
-run goes on, confirmed the way the mount allows.
+A refused consent or a missing package turns "api" into "auto" with one message: the run goes on,
+confirmed the way the mount allows. An API that does not answer at the start (403, 5xx, no network
+for a moment) keeps "api": nothing is confirmed or pruned until it answers, and the kit keeps asking.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import DriveError
-from .driveapi import COLAB_ROOT, DriveApi, unavailable_message
+from .driveapi import COLAB_ROOT, ApiUnavailable, DriveApi, unavailable_message
 from .drivefs import API, DRIVEFS, describe_kind
 
 __all__ = ["CONFIRM_MODES", "check_confirm", "choose_confirmation"]
@@ -77,7 +78,10 @@ def choose_confirmation(confirm, drive_dir: Path, kind: str, *, colab: bool, say
         pass  # the API answers; the folder, just made, has not reached Drive yet
     except DriveError:  # an AmbiguousFolder among them: refused, never a fallback
         raise
-    except Exception as exc:  # noqa: BLE001 - no package, no network, refused credentials
+    except ApiUnavailable as exc:  # a 403 or a 5xx now says nothing of the next minute: stay, and ask again
+        say(f"confirm='api': {api.describe()} did not answer now ({exc}); the kit keeps asking it. Until it "
+            f"answers, no checkpoint is called in the cloud and none is pruned")
+    except Exception as exc:  # noqa: BLE001 - no package, refused credentials
         say(f"confirm='api': {api.describe()} cannot be used ({unavailable_message(exc)}); going on as "
             f"confirm='auto': {describe_kind(kind)}")
         return kind, None

@@ -19,15 +19,14 @@ credentials, also from `COLAB_KIT_DRIVE_API` and `COLAB_KIT_DRIVE_ROOT`.
 from __future__ import annotations
 
 import os
-import shutil
 import threading
 from pathlib import Path
 from urllib.parse import urlparse
 
 from ..errors import DriveError
-from .drivefs import API, cloud_id
+from .drivefs import cloud_id
 
-__all__ = ["FOLDER", "AmbiguousFolder", "ApiDeleter", "ApiUnavailable", "DriveApi", "quote", "unavailable_message"]
+__all__ = ["FOLDER", "AmbiguousFolder", "ApiUnavailable", "DriveApi", "quote", "unavailable_message"]
 
 FOLDER = "application/vnd.google-apps.folder"
 ENV_ENDPOINT, ENV_ROOT = "COLAB_KIT_DRIVE_API", "COLAB_KIT_DRIVE_ROOT"
@@ -137,9 +136,11 @@ class DriveApi:
                 return files
 
     # -- folders ---------------------------------------------------------------------------------
-    def folder_id(self, folder: str | os.PathLike) -> str:
+    def folder_id(self, folder: str | os.PathLike, *, fresh: bool = False) -> str:
         """The id of a local folder of the mount: cached; from `user.drive.id` where it answers with
-        a cloud id, else found by name from the root.
+        a cloud id, else found by name from the root. `fresh`: nothing remembered is used (no cached id of
+        it or of a folder above it): the id belongs to the folder at this path now, found through this
+        parent chain, which is what a delete may act on.
 
         Raises:
             FileNotFoundError: not in Drive (yet). AmbiguousFolder: two folders of one name on the way.
@@ -147,21 +148,21 @@ class DriveApi:
         """
         folder = Path(folder)
         with self._lock:
-            if folder in self._ids:
+            if folder in self._ids and not fresh:
                 return self._ids[folder]
         try:
             relative = folder.relative_to(self.root)
         except ValueError:
             raise DriveError(f"{folder} is not under {self.root}, the folder that shows Drive's root: give "
                              f"DriveApi(root=...) (COLAB_KIT_DRIVE_ROOT) the mount's MyDrive") from None
-        found = cloud_id(folder)
+        found = None if fresh else cloud_id(folder)
         if found is None:
             found = "root"
             walked = self.root
             for name in relative.parts:
                 walked = walked / name
                 with self._lock:
-                    cached = self._ids.get(walked)
+                    cached = None if fresh else self._ids.get(walked)
                 if cached is not None:
                     found = cached
                     continue
@@ -183,16 +184,18 @@ class DriveApi:
         return found
 
     def forget(self, folder: str | os.PathLike) -> None:
-        """Drop the cached ids of `folder` and everything under it (deleted, or found stale)."""
+        """Drop the cached ids of `folder` and everything under it (moved, deleted, or found stale): an id
+        belongs to one folder instance, and the next one at the same path has another."""
         folder = Path(folder)
         with self._lock:
             for path in [p for p in self._ids if p == folder or folder in p.parents]:
                 del self._ids[path]
 
-    def children(self, folder: str | os.PathLike) -> dict[str, list[dict]]:
-        """name -> the items of that name in `folder` (not trashed), from one listing."""
+    def children(self, folder: str | os.PathLike, *, fresh: bool = False) -> dict[str, list[dict]]:
+        """name -> the items of that name in `folder` (not trashed), from one listing (`fresh`: the
+        folder's id found afresh, see `folder_id`)."""
         try:
-            items = self.list_children(self.folder_id(folder))
+            items = self.list_children(self.folder_id(folder, fresh=fresh))
         except FileNotFoundError:  # a cached id that no longer exists: found again next time
             self.forget(folder)
             raise
@@ -217,11 +220,25 @@ class DriveApi:
                 missing += size
         return missing == 0, missing
 
-    def delete(self, folder: str | os.PathLike) -> None:
-        """Delete `folder` in Drive for good (`files.delete`: no Trash), with everything in it."""
-        item = self.folder_id(folder)
+    def delete(self, folder: str | os.PathLike, *, manifest_md5: str | None = None, manifest: str = "") -> None:
+        """Delete `folder` in Drive for good (`files.delete`: no Trash), with everything in it.
+
+        Its id is found afresh (`folder_id(fresh=True)`), never one remembered from a folder since moved
+        away; with `manifest_md5`, Drive must hold exactly one file `manifest` in it with that md5 (the
+        folder is the checkpoint that was chosen), or nothing is deleted.
+
+        Raises:
+            DriveError: the folder in Drive is not the one chosen (its manifest differs), or it is the root.
+            FileNotFoundError: not in Drive. ApiUnavailable: the API did not answer (nothing deleted).
+        """
+        item = self.folder_id(folder, fresh=True)
         if item == "root":
             raise DriveError("refusing to delete Drive's root")
+        if manifest_md5 is not None:
+            held = [f.get("md5Checksum") for f in self.list_children(item) if f.get("name") == manifest]
+            if held != [manifest_md5]:
+                raise DriveError(f"{folder} in Drive holds another {manifest} (md5 {held or 'none'}, expected "
+                                 f"{manifest_md5}): not the checkpoint chosen, so it was not deleted")
         self._execute(self.service().files().delete(fileId=item))
         self.forget(folder)
 
@@ -243,35 +260,3 @@ def unavailable_message(exc: BaseException) -> str:
         return ("google-api-python-client is not installed (Colab has it; elsewhere: pip install "
                 "google-api-python-client google-auth)")
     return f"{type(exc).__name__}: {exc}"
-
-
-
-class ApiDeleter:
-    """Deletes pruned checkpoints for good through the API (`files.delete` by id: nothing goes to
-    Drive's Trash, and the user's Trash is never emptied), then the mount's local copy, which DriveFS
-    no longer has anything to upload or trash for. The interface of `drivefs.TrashFreeDeleter`."""
-
-    kind = API
-
-    def __init__(self, api: DriveApi):
-        self.api = api
-        self.pending: list[Path] = []  # nothing waits: a delete is done when `start` returns
-
-    def start(self, folder: Path, first: str | None = None) -> None:
-        """Delete `folder` in Drive, then locally.
-
-        Raises:
-            OSError: the API did not answer (ApiUnavailable): nothing was deleted; chosen again later.
-        """
-        try:
-            self.api.delete(folder)
-        except FileNotFoundError:  # already gone from Drive: only the local copy is left
-            pass
-        except DriveError as exc:  # e.g. a folder of the same name appeared: nothing deleted, try later
-            raise OSError(str(exc)) from exc
-        if first is not None:
-            (Path(folder) / first).unlink(missing_ok=True)
-        shutil.rmtree(folder, ignore_errors=True)
-
-    def poll(self) -> list[Path]:
-        return []

@@ -1,4 +1,4 @@
-"""What Google Drive's FUSE daemon (DriveFS) says about uploads, and deleting without Trash.
+"""What Google Drive's FUSE daemon (DriveFS) says about uploads, and what kind of folder the run is in.
 
 In Colab, a write to /content/drive returns once the bytes are in DriveFS's cache on the VM
 disk; the upload to the cloud comes later, and the VM disk dies with the runtime. DriveFS shows
@@ -13,11 +13,14 @@ A folder is one of three kinds (`folder_kind`):
 
     DRIVEFS      the attributes answer: a file is in the cloud when it is committed, has a cloud
                  id and (where the md5 is given) the cloud copy's md5 is ours
-    UNCONFIRMED  a Drive mount whose attributes are missing: written is all we can know, and
-                 nothing is ever called "in the cloud"
-    PLAIN        a local or network folder: written, fsynced and read back is as durable as it gets
+    UNCONFIRMED  a Drive mount whose attributes are missing, and any mount not known to be local
+                 (rclone, sshfs, gcsfuse, nfs, ...): written is all the kit can know there, and
+                 nothing is ever called "in the cloud" (Drive's API can still confirm: `driveapi.py`)
+    PLAIN        a folder on this machine's own filesystem (ext4, xfs, tmpfs, overlay, ...): written,
+                 fsynced and read back is as durable as it gets
 
-Every read of these attributes in the kit goes through this module.
+Paths are resolved first (a run folder reached through a symlink into Drive is on Drive). Every read
+of these attributes in the kit goes through this module.
 """
 
 from __future__ import annotations
@@ -25,16 +28,16 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from .._clock import clock
 from .._units import format_bytes
 from ..checkpoints import storage
 
 __all__ = ["UNCOMMITTED", "ITEM_ID", "MD5", "DRIVEFS", "UNCONFIRMED", "PLAIN", "API", "FileUpload", "cloud_id",
-           "read_upload", "folder_kind", "is_drive_mount", "in_cloud", "describe_kind", "check_space",
-           "TrashFreeDeleter"]
+           "read_upload", "folder_kind", "is_drive_mount", "is_local_filesystem", "LOCAL_FILESYSTEMS", "in_cloud",
+           "describe_kind", "check_space"]
 
 UNCOMMITTED = "user.drive.uncommitted"
 ITEM_ID = "user.drive.id"
@@ -43,8 +46,6 @@ DRIVEFS, UNCONFIRMED, PLAIN = "drivefs", "unconfirmed", "plain"
 API = "api"  # confirmed through Drive's API (`driveapi.py`), whatever the mount reports
 COLAB_MOUNT = "/content/drive"
 _MISSING = (errno.ENODATA, errno.ENOTSUP, getattr(errno, "ENOATTR", errno.ENODATA))
-# Without attributes, a truncation is given this long to reach the cloud before the unlink.
-UNCONFIRMED_GRACE_S = 120.0
 log = logging.getLogger(__name__)
 
 
@@ -95,55 +96,64 @@ def cloud_id(path: str | os.PathLike) -> str | None:
     return text if text and not text.startswith("local") else None
 
 
-def _mount_of(path: Path) -> tuple[str, str, str] | None:
-    """(mount point, filesystem type, source) of the mount holding `path`, from mountinfo."""
-    try:
-        lines = Path("/proc/self/mountinfo").read_text().splitlines()
-    except OSError:
-        return None
-    best = None
-    target = str(path)
-    for line in lines:
-        left, _, right = line.partition(" - ")
-        fields, tail = left.split(), right.split()
-        if len(fields) < 5 or len(tail) < 2:
-            continue
-        point = fields[4].replace("\\040", " ")
-        if (target == point or target.startswith(point.rstrip("/") + "/")) and (best is None or len(point) > len(best[0])):
-            best = (point, tail[0], tail[1])
-    return best
+# Filesystems known to live on this machine's own disks or memory: there, written, fsynced and read
+# back is as durable as it gets. Every other mount without DriveFS's attributes (fuse.rclone, sshfs,
+# gcsfuse, nfs, cifs, 9p, a FUSE daemon of another name) may be a cloud behind a cache, so it is
+# UNCONFIRMED: nothing there is called safe on a guess.
+LOCAL_FILESYSTEMS = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "zfs", "f2fs", "tmpfs", "overlay"})
 
 
 def is_drive_mount(path: str | os.PathLike) -> bool:
-    """True under Colab's Drive mount point, or on a FUSE mount served by a daemon named "drive".
+    """True when `path`, symlinks followed, lies under Colab's Drive mount point, or on a FUSE mount
+    served by a daemon named "drive".
 
     Colab starts DriveFS as the program `drive` (colabtools `drive.py`), which libfuse reports as
     filesystem type `fuse.drive`; the emulator in the tests names itself the same way.
     """
-    path = Path(path).absolute()
+    try:
+        path = storage.resolve(path)
+    except OSError:
+        path = Path(path).absolute()
     if str(path) == COLAB_MOUNT or str(path).startswith(COLAB_MOUNT + "/"):
         return True
-    mount = _mount_of(path)
+    mount = storage.mount_of(path)
     return mount is not None and (mount[1] == "fuse.drive" or (mount[1].startswith("fuse") and mount[2] == "drive"))
 
 
-def folder_kind(folder: str | os.PathLike, on_drive: bool = False) -> str:
+def is_local_filesystem(path: str | os.PathLike) -> bool:
+    """True when `path`, symlinks followed, lies on a filesystem of this machine (`LOCAL_FILESYSTEMS`);
+    False for any other mount, and when the mount cannot be told (unknown is not local)."""
+    try:
+        mount = storage.mount_of(storage.resolve(path))
+    except OSError:
+        return False
+    return mount is not None and mount[1] in LOCAL_FILESYSTEMS and not is_drive_mount(path)
+
+
+def folder_kind(folder: str | os.PathLike, on_drive: bool = False, waits=(0.5, 1.0, 2.0)) -> str:
     """DRIVEFS, UNCONFIRMED or PLAIN for the persistent folder `folder` (which must exist).
 
-    The folder and a few files in it are asked (whether DriveFS gives folders the attributes
-    is not known; `start_run` has written the lease file there by then).
+    DRIVEFS where the attributes answer (the folder and a few files in it are asked: whether DriveFS
+    gives folders the attributes is not known; `start_run` has written the lease file there by then).
+    PLAIN only on a filesystem known to be local (`is_local_filesystem`); any other folder, and one whose
+    attributes could not be read at all, is UNCONFIRMED: what is not known is never taken as safe.
     """
-    folder = Path(folder)
-    for attempt in range(3):  # a failed read is asked again: it says nothing about the attributes
+    folder = storage.resolve(folder)
+    failed = None
+    for wait in (0.0, *waits):  # a failed read is asked again: it says nothing about the attributes
+        clock.sleep(wait)
         try:
-            probes = [folder, *sorted(p for p in folder.iterdir() if p.is_file())[:3]]
+            probes = [folder, *sorted(Path(e.path) for e in storage.list_dir(folder) if not e.is_dir())[:3]]
             if any(read_upload(path).has_attributes for path in probes):
                 return DRIVEFS
+            failed = None
             break
-        except OSError as exc:  # e.g. errno 107 for good: decide from the mount itself
+        except OSError as exc:  # e.g. errno 107 for good
             log.debug("cannot read DriveFS attributes of %s: %s", folder, exc)
-            time.sleep(0.5 * (attempt + 1))
-    return UNCONFIRMED if on_drive or is_drive_mount(folder) else PLAIN
+            failed = exc
+    if failed is not None or on_drive or not is_local_filesystem(folder):
+        return UNCONFIRMED
+    return PLAIN
 
 
 def describe_kind(kind: str) -> str:
@@ -187,84 +197,12 @@ def check_space(folder: Path, needed: int, pending: int, what: str) -> None:
         OSError(ENOSPC): less free space than `needed` plus `pending` (written, not yet uploaded).
     """
     try:
-        st = os.statvfs(folder)
+        free = storage.free_bytes(folder)
     except OSError:
         return
-    if not st.f_blocks:  # the filesystem reports no size
+    if free is None:  # the filesystem reports no size
         return
-    free = st.f_bavail * st.f_frsize
     if free < needed + pending:
         raise OSError(errno.ENOSPC, f"{folder} has {format_bytes(free)} free, but {what} needs "
                       f"{format_bytes(needed)} plus {format_bytes(pending)} still uploading, so its upload "
                       f"was not started. Free space on Drive (its Trash counts too) or lower keep")
-
-
-class TrashFreeDeleter:
-    """Deletes folders so that Drive's Trash keeps only empty stubs.
-
-    Drive moves every deleted file to its Trash, which counts against the quota for 30 days
-    (Drive Help 2375194): a 1.3 GB checkpoint every 10 minutes fills a free Drive in hours. So on
-    a Drive mount each file is first truncated to 0 bytes; only once that truncation is in the
-    cloud (or, without attributes, after a grace period) are the files unlinked. On a plain
-    folder a delete is a delete. `start` never blocks; `poll` finishes what is ready.
-    """
-
-    def __init__(self, kind: str, grace_s: float = UNCONFIRMED_GRACE_S):
-        self.kind = kind
-        self.grace_s = grace_s
-        self._waiting: dict[Path, float] = {}  # folder -> when its files were truncated
-
-    @property
-    def pending(self) -> list[Path]:
-        return list(self._waiting)
-
-    def start(self, folder: Path, first: str | None = None) -> None:
-        """Begin deleting `folder`; the file named `first` (its manifest) is emptied first, so a
-        kill half-way leaves a folder that no longer passes for a checkpoint."""
-        if self.kind == PLAIN:
-            _remove_tree(folder, first)
-            return
-        files = _files(folder)
-        files.sort(key=lambda p: p.name != first)
-        for path in files:
-            if path.stat().st_size:
-                os.truncate(path, 0)
-        self._waiting[folder] = time.monotonic()
-
-    def poll(self) -> list[Path]:
-        """Unlink the folders whose truncations are in the cloud; returns them."""
-        done = []
-        for folder, since in list(self._waiting.items()):
-            try:
-                ready = self._truncation_in_cloud(folder, since)
-                if ready:
-                    _remove_tree(folder, None)
-            except FileNotFoundError:
-                ready = True
-            except OSError as exc:  # Drive trouble: try again at the next poll
-                log.debug("deleting %s: %s", folder, exc)
-                continue
-            if ready:
-                del self._waiting[folder]
-                done.append(folder)
-        return done
-
-    def _truncation_in_cloud(self, folder: Path, since: float) -> bool:
-        if self.kind == UNCONFIRMED:
-            return time.monotonic() - since >= self.grace_s
-        return all(read_upload(path).uncommitted == b"0" for path in _files(folder))
-
-
-def _files(folder: Path) -> list[Path]:
-    return [p for p in folder.rglob("*") if p.is_file()]
-
-
-def _remove_tree(folder: Path, first: str | None) -> None:
-    if first is not None:
-        (folder / first).unlink(missing_ok=True)
-    for path in sorted(folder.rglob("*"), key=lambda p: len(p.parts), reverse=True):
-        if path.is_dir():
-            path.rmdir()
-        else:
-            path.unlink()
-    folder.rmdir()

@@ -11,9 +11,12 @@ for 1.5 of its heartbeat intervals: a heartbeat that does not advance belongs to
 and is taken over; one that advances is refused.
 
 A read of the lease that fails (EIO, errno 107, a file that cannot be parsed) is unknown: it is
-never taken for "released" or "no lease". A lease of another host is taken over only after it was
+never taken for "released" or "no lease", and neither is a lease file missing at one look (absence
+is not evidence: `checkpoints/looks.py`). A lease of another host is taken over only after it was
 read successfully twice with a heartbeat that did not advance between the two reads; the writer
-checks that the lease is still its own (`check`) before every upload, publish and delete.
+checks that the lease is still its own (`check`) before every upload, publish and delete, and the
+heartbeat rewrites lease.json only while `check` says True (`gate.act`): a runtime that could not
+read its lease never writes its old claim over a new owner's.
 """
 
 from __future__ import annotations
@@ -23,15 +26,16 @@ import logging
 import os
 import socket
 import threading
-import time
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
+from .._clock import clock
 from .._units import format_age
-from ..checkpoints import storage
+from ..checkpoints import looks, storage
 from ..errors import LeaseHeldError
+from .gate import act
 
 __all__ = ["LEASE", "LeaseInfo", "Lease", "read_lease", "lease_staleness"]
 
@@ -95,13 +99,15 @@ def _unknown(exc: Exception) -> str:
     return getattr(exc, "strerror", None) or str(exc)
 
 
-def lease_staleness(info: LeaseInfo, now: float | None = None) -> str | None:
-    """Why `info` no longer protects its run (a reason), or None while it is live."""
-    now = time.time() if now is None else now
+def lease_staleness(info: LeaseInfo, now: float | None = None, *, host: str | None = None,
+                    process_start: Callable[[int], float | None] = _process_start) -> str | None:
+    """Why `info` no longer protects its run (a reason), or None while it is live. `host` is this
+    machine's name (whose processes can be asked after); `process_start` asks when a pid started."""
+    now = clock.time() if now is None else now
     if info.released:
         return "it was released when its run finished"
-    if info.host == socket.gethostname():
-        start = _process_start(info.pid)
+    if info.host == (host or socket.gethostname()):
+        start = process_start(info.pid)
         if start is None:
             return f"its process {info.pid} on this host has ended"
         if info.pid_start is not None and abs(start - info.pid_start) > 1.0:
@@ -119,14 +125,20 @@ class Lease:
         run_dir: the run's persistent folder.
         heartbeat_s: how often the heartbeat is renewed; readers call the lease stale after
             `STALE_AFTER_BEATS` missed beats.
+        host, pid, process_start, session: who this is (default: this machine and process); the
+            simulator gives each of its runtimes its own.
     """
 
-    def __init__(self, run_dir: str | Path, heartbeat_s: float = 30.0):
+    def __init__(self, run_dir: str | Path, heartbeat_s: float = 30.0, *, host: str | None = None,
+                 pid: int | None = None, process_start: Callable[[int], float | None] = _process_start,
+                 session: str | None = None):
         self.path = Path(run_dir) / LEASE
         self.heartbeat_s = float(heartbeat_s)
-        self.info = LeaseInfo(host=socket.gethostname(), pid=os.getpid(),
-                              pid_start=_process_start(os.getpid()), session=uuid.uuid4().hex,
-                              started=time.time(), heartbeat=time.time(), heartbeat_s=self.heartbeat_s)
+        self._process_start = process_start
+        pid = os.getpid() if pid is None else pid
+        self.info = LeaseInfo(host=host or socket.gethostname(), pid=pid, pid_start=process_start(pid),
+                              session=session or uuid.uuid4().hex, started=clock.time(), heartbeat=clock.time(),
+                              heartbeat_s=self.heartbeat_s)
         self.lost = False
         self.took_over_because: str | None = None
         self._stop = threading.Event()
@@ -152,9 +164,11 @@ class Lease:
                 previous = None
         else:
             previous = self._read_patiently(run_name)
+            if previous is None and self._run_folder_used():  # absence is not evidence: look again
+                previous = looks.again(lambda: self._read_patiently(run_name), lambda found: found is None)
         if previous is not None and previous.session != self.info.session:
             same_process = previous.host == self.info.host and previous.pid == self.info.pid
-            stale = lease_staleness(previous)
+            stale = lease_staleness(previous, host=self.info.host, process_start=self._process_start)
             if not same_process and not previous.released and not takeover:
                 if previous.host == self.info.host:  # this host can ask whether the process lives
                     if stale is None:
@@ -162,7 +176,9 @@ class Lease:
                     self.took_over_because = stale
                 elif not self._dead_while_watched(previous, on_watch, run_name, quick=stale is not None):
                     raise self._held(previous, run_name)
-        self._write_patiently()
+        why = "asked for (takeover=True)" if takeover else (self.took_over_because or "nobody else holds it")
+        act("take the lease", LEASE, [lambda: None], self._write_patiently)  # the proof: `why`, reached above
+        log.debug("lease of %s taken: %s", self.path.parent, why)
         # Drive has no exclusive create: read back so that of two simultaneous starters at
         # most one believes it holds the lease.
         confirmed = self._read_patiently(run_name)
@@ -172,6 +188,27 @@ class Lease:
         # A lease released at a clean finish was not taken over from anyone.
         taken = previous is not None and previous.session != self.info.session and not previous.released
         return previous if taken else None
+
+    def _run_folder_used(self) -> bool:
+        """Does the run folder hold anything besides the lease (so that a lease would be expected)?
+        A folder that cannot be listed counts as used."""
+        try:
+            entries = storage.list_dir(self.path.parent)
+        except FileNotFoundError:
+            return False
+        except OSError:
+            return True
+        for entry in entries:
+            if entry.name == LEASE:
+                continue
+            if not entry.is_dir():
+                return True
+            try:
+                if storage.list_dir(entry.path):
+                    return True
+            except OSError:
+                return True
+        return False
 
     def _write_patiently(self, waits=(0.5, 1.0, 2.0)) -> None:
         """Write the lease, again after a failure that may pass (not a full or read-only folder)."""
@@ -184,7 +221,7 @@ class Lease:
             LeaseHeldError: it could not be read at all.
         """
         for wait in (0.0, *waits):
-            time.sleep(wait)
+            clock.sleep(wait)
             try:
                 return read_lease(self.path)
             except (OSError, ValueError) as exc:
@@ -199,13 +236,13 @@ class Lease:
         nothing; a lease that stays unreadable is refused. `quick`: its heartbeat is old already, so one
         confirming read after a short pause is enough."""
         window = min(2.0, previous.heartbeat_s) if quick else WATCH_BEATS * previous.heartbeat_s
-        deadline = time.monotonic() + window
+        deadline = clock.monotonic() + window
         give_up = deadline + max(30.0, 2 * window)
         while True:
-            left = deadline - time.monotonic()
+            left = deadline - clock.monotonic()
             if on_watch is not None and left > 0:
                 on_watch(previous, left)
-            time.sleep(min(1.0, max(left, 0.2), previous.heartbeat_s / 10))
+            clock.sleep(min(1.0, max(left, 0.2), previous.heartbeat_s / 10))
             try:
                 current = read_lease(self.path)
             except (OSError, ValueError):
@@ -216,21 +253,21 @@ class Lease:
                     return True
                 if current.session != previous.session or current.heartbeat != previous.heartbeat:
                     return False  # alive (or a third runtime claimed it)
-                if time.monotonic() >= deadline:
-                    self.took_over_because = (f"its heartbeat is {format_age(time.time() - current.heartbeat)} "
+                if clock.monotonic() >= deadline:
+                    self.took_over_because = (f"its heartbeat is {format_age(clock.time() - current.heartbeat)} "
                                               f"old and did not advance" if quick else
                                               f"its heartbeat did not advance in {format_age(window)}")
                     return True
-            elif time.monotonic() >= give_up:
+            elif clock.monotonic() >= give_up:
                 raise LeaseHeldError(f"the lease of {self.path.parent} (host {previous.host}) could not be read "
                                      f"again to see whether its heartbeat advances, so it was not taken over. Run "
                                      f"this cell again; if that runtime is gone: ck.start_run({run_name!r}, "
                                      f"takeover=True)")
 
     def _held(self, previous: LeaseInfo, run_name: str) -> LeaseHeldError:
-        age = format_age(time.time() - previous.heartbeat)
+        age = format_age(clock.time() - previous.heartbeat)
         if previous.host == self.info.host:
-            wait = format_age(STALE_AFTER_BEATS * previous.heartbeat_s - (time.time() - previous.heartbeat))
+            wait = format_age(STALE_AFTER_BEATS * previous.heartbeat_s - (clock.time() - previous.heartbeat))
             how = f"Stop the other runtime, or wait {wait} for its lease to go stale"
         else:
             how = ("Its heartbeat advanced while this runtime watched it, so it is alive. Stop it "
@@ -241,21 +278,27 @@ class Lease:
             f"other's checkpoints. {how}, or take over now: ck.start_run({run_name!r}, takeover=True)")
 
     def _write(self) -> None:
-        self.info.heartbeat = time.time()
+        self.info.heartbeat = clock.time()
         storage.atomic_write_json(self.path, asdict(self.info))
 
-    def beat(self) -> bool:
-        """Renew the heartbeat; False (and `lost`) when another runtime took the lease.
+    def beat(self) -> bool | None:
+        """Renew the heartbeat, only while the lease is this runtime's: True (renewed), False (another
+        runtime's: `lost`), None (it could not be confirmed now: not renewed, never written over an
+        unread lease; the next beat tries again).
 
         Raises:
-            OSError: the lease could not be read or written (unknown: the next beat tries again).
+            OSError: the lease was confirmed but could not be written (the next beat tries again).
         """
         if self.lost:
             return False
-        if self.check() is False:
-            return False
-        self._write()
-        return True
+        held = {}
+
+        def ours_now() -> str | None:
+            held["now"] = self.check()
+            return None if held["now"] is True else "the lease is not confirmed as this runtime's now"
+
+        act("renew the lease", LEASE, [ours_now], self._write)
+        return held["now"]
 
     def check(self) -> bool | None:
         """Is the lease still this runtime's? True, False (another runtime's: `lost`), or None when it
@@ -273,24 +316,32 @@ class Lease:
             return False
         return True
 
+    def step(self, on_lost: Callable[[LeaseInfo | None], None],
+             on_error: Callable[[OSError], None] | None = None) -> bool:
+        """One heartbeat (its thread calls this every `heartbeat_s`; so does the simulator). Returns False
+        once the lease is lost (`on_lost` was called with whoever holds it now), True otherwise."""
+        try:
+            if self.beat() is False:
+                try:
+                    holder = read_lease(self.path)
+                except (OSError, ValueError):
+                    holder = None
+                on_lost(holder)
+                return False
+        except OSError as exc:  # Drive trouble: keep trying (unknown is not lost); the mirror reports it
+            log.debug("lease heartbeat failed: %s", exc)
+            if on_error:
+                on_error(exc)
+        return True
+
     def start_heartbeat(self, on_lost: Callable[[LeaseInfo | None], None],
                         on_error: Callable[[OSError], None] | None = None) -> None:
         """Renew the lease every `heartbeat_s` seconds in a daemon thread."""
 
         def loop():
             while not self._stop.wait(self.heartbeat_s):
-                try:
-                    if not self.beat():
-                        try:
-                            holder = read_lease(self.path)
-                        except (OSError, ValueError):
-                            holder = None
-                        on_lost(holder)
-                        return
-                except OSError as exc:  # Drive trouble: keep trying (unknown is not lost); the mirror reports it
-                    log.debug("lease heartbeat failed: %s", exc)
-                    if on_error:
-                        on_error(exc)
+                if not self.step(on_lost, on_error):
+                    return
 
         self._thread = threading.Thread(target=loop, name="colab_kit-lease", daemon=True)
         self._thread.start()
@@ -306,9 +357,13 @@ class Lease:
             self._thread.join(timeout=5)
         if self.lost:
             return
+
+        def mark_released():
+            self.info.released = True
+            self._write()
+
         try:
-            if self.check() is True:
-                self.info.released = True
-                self._write()
+            act("release the lease", LEASE, [lambda: None if self.check() is True else "not confirmed as ours now"],
+                mark_released)
         except OSError as exc:
             log.warning("could not release the lease %s: %s (it goes stale by itself)", self.path, exc)

@@ -1,4 +1,4 @@
-"""Mirror checkpoints from local disk to the persistent folder in a background thread.
+"""Mirror checkpoints from local disk to the persistent folder in a background worker.
 
 The training loop only pays for a snapshot (hard links, or a local copy where links are not
 possible) so that the Trainer's own pruning cannot delete files under the upload. A single
@@ -6,34 +6,38 @@ worker then, for the newest snapshot only: hashes it and writes it to
 `<drive_dir>/checkpoints/checkpoint-<step>/`, read back, MANIFEST.json last (a `sync` event:
 *written*; `publish.py`); follows the upload until it is *in the cloud* (`cloud.py`; a `cloud`
 event) before the next one goes, so that on Drive one checkpoint at a time is in DriveFS's
-upload queue and a newer snapshot replaces a queued older one; and prunes older checkpoints only
-once a newer one is in the cloud, Trash-free, and nothing on doubt (`retention.py`).
+upload queue and a newer snapshot replaces a queued older one; and lets older checkpoints go by the
+rules (`retention.py`), each deletion on a fresh proof (`gate.py`).
 
-The same thread does everything else that touches the persistent folder (`upkeep.py`): the
-journal's lines, small files such as `micro_batch.json`, a remount after errno 107, uploading
-again what Drive lost. The training thread only queues: a stalled mount stalls this thread.
+The same worker does everything else that touches the persistent folder (`upkeep.py`): the
+journal's lines, small files such as `micro_batch.json`, learning what the folder held at start, a
+remount after errno 107, uploading again what Drive lost. The training thread only queues: a stalled
+mount stalls this worker.
 
-Drive errors (ENOSPC, EIO, permissions, errno 107 "Transport endpoint is not connected") are
-retried with exponential backoff; they are reported, never raised into training. Before every
-upload, publish and delete the thread checks that the run's lease is still this runtime's.
+The worker is a step function (`step`): its thread calls it, and so does the deterministic simulator
+(`tests/sim/`), which runs the kit's own workers over thousands of faulty Drives on a virtual clock.
+Drive errors are retried with exponential backoff and reported, never raised into training. Before
+every upload, publish and delete the worker checks that the run's lease is still this runtime's; once
+it is another's, this runtime writes nothing more to the run folder.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
 from pathlib import Path
 from typing import Callable
 
+from .._clock import clock
 from .._notices import Notices
 from ..checkpoints.checkpoint import CHECKPOINTS
 from ..checkpoints.journal import Journal
 from ..checkpoints.snapshot import Snapshot, SnapshotChanged, discard
 from .cloud import CloudTracker
 from .drivefs import DRIVEFS, PLAIN, UNCONFIRMED
+from .gate import CheckpointGate
 from .publish import Publisher
-from .retention import Pruner, Settle, unfinished_folders
+from .retention import Ladder, Pruner
 from .upkeep import DeferredWrites, KeptCopies
 
 __all__ = ["Mirror"]
@@ -41,7 +45,9 @@ __all__ = ["Mirror"]
 log = logging.getLogger(__name__)
 _DELETE_POLL_S = 1.0
 _CHORES_RETRY_S = 2.0  # journal lines or small files that failed to go: the next try
-_PRUNE_AGAIN_S = 5.0  # after a pass that a doubt stopped, or while checkpoints settle (no attributes)
+_PRUNE_AGAIN_S = 5.0  # after a pass that a doubt stopped
+_LADDER_AGAIN_S = 60.0  # no attributes: checkpoints move up the ladder as they age
+_IDLE_S = 30.0
 
 
 class Mirror:
@@ -50,87 +56,102 @@ class Mirror:
     Args:
         run_dir: the persistent run folder; checkpoints go to `run_dir/checkpoints/`.
         keep: checkpoints in the cloud to keep (at least 1).
-        journal: where `sync`, `cloud`, `prune` and `warn` events go.
+        journal: where `sync`, `cloud`, `prune`, `kept` and `warn` events go.
         notices: where messages for the user go.
         on_disconnected: called (from the worker) on errno 107, to ask for a Drive remount.
-        kind: what "in the cloud" means for `run_dir` (`drivefs.folder_kind`).
+        kind: what "in the cloud" means for `run_dir` (`drivefs.folder_kind`, or API).
         prune_after: "cloud" (the rule), or "written", the rule before 0.2, kept to show what it
-            loses (tests, bench/work_at_risk.py): prune once a newer manifest is written, at once.
-        writer: False for a follower rank (`ranks.py`): no worker thread, nothing is uploaded,
-            read or pruned; every snapshot is discarded.
-        settle: on a Drive mount without attributes, when a checkpoint counts as settled.
+            loses (tests, bench/work_at_risk.py): prune once a newer manifest is written.
+        writer: False for a follower rank (`ranks.py`): no worker, nothing is uploaded, read or
+            pruned; every snapshot is discarded.
+        ladder: what is kept where nothing confirms uploads (`retention.Ladder`).
+        pace_bps: where nothing confirms uploads, the next checkpoint is written only after the previous
+            one's size at this rate (it spares Drive's upload queue; it never decides a deletion).
         lease: the run's `Lease`, checked before every upload, publish and delete (None: a folder
             without a lease, a CheckpointStore of its own).
         on_lease_lost: called (from the worker) when a check finds the lease another runtime's.
-        api: with kind `API`, the `driveapi.DriveApi` that confirms uploads and deletes for good.
+        api: with kind API, the `driveapi.DriveApi` that confirms uploads and deletes for good.
+        threaded: False runs no thread: the caller calls `step()` (the simulator).
+        known_steps: the checkpoints the run's journal says the folder holds (a missing one is looked
+            for again before a publish writes into its folder).
     """
 
     def __init__(self, run_dir: str | Path, *, keep: int, journal: Journal, notices: Notices,
                  on_disconnected: Callable[[], None] | None = None,
                  backoff: tuple[float, float] = (2.0, 120.0), kind: str = PLAIN, prune_after: str = "cloud",
-                 writer: bool = True, settle: Settle = Settle(), lease=None,
-                 on_lease_lost: Callable[[], None] | None = None, api=None):
+                 writer: bool = True, ladder: Ladder = Ladder(), pace_bps: float = 1e6, lease=None,
+                 on_lease_lost: Callable[[], None] | None = None, api=None, threaded: bool = True,
+                 known_steps=()):
         if prune_after not in ("cloud", "written"):
             raise ValueError(f"prune_after={prune_after!r}: use 'cloud' or 'written'")
         self.run_dir = Path(run_dir)
         self.keep = max(1, int(keep))
         self.journal, self.notices, self.kind, self.prune_after = journal, notices, kind, prune_after
+        self.ladder, self.pace_bps = ladder, pace_bps
         self.tracker = CloudTracker(kind, journal, api=api)
-        self.settle = settle
-        self.pruner = Pruner(self.run_dir / CHECKPOINTS, kind=kind, prune_after=prune_after, keep=self.keep,
-                             journal=journal, notices=notices, settle=settle, api=api)
-        self.deleter = self.pruner.deleter
+        rule_kind = PLAIN if prune_after == "written" else kind  # the old rule: written is safe everywhere
+        self.gate = CheckpointGate(self.run_dir / CHECKPOINTS, kind=rule_kind, journal=journal,
+                                   lease_check=self._lease_ok if lease is not None else None, api=api)
+        self.pruner = Pruner(self.run_dir / CHECKPOINTS, kind=rule_kind, keep=self.keep, gate=self.gate, ladder=ladder)
         self.deferred = DeferredWrites()
-        self.kept = KeptCopies(self.tracker, settle.age)
+        self.kept = KeptCopies(self.tracker, notices, journal)
         self.lease, self.on_lease_lost = lease, on_lease_lost
-        self.ours: set[Path] = set()  # unfinished folders this writer may delete (created, or found at start)
         self.publisher = Publisher(self.run_dir, tracker=self.tracker, journal=journal, notices=notices,
-                                   ours=self.ours, backoff=backoff, on_disconnected=on_disconnected)
+                                   backoff=backoff, on_disconnected=on_disconnected, gate=self.gate,
+                                   known_steps=known_steps)
         # The Trainer's best checkpoint (state.best_model_checkpoint): never superseded in the
         # queue nor pruned while it is best. Set from the training loop.
         self.best_step: int | None = None
+        self.protected: set[int] = set()  # kept whatever the rules say (a best checkpoint not readable at resume)
         self._queued: list[Snapshot] = []  # oldest first: at most the best one and the newest
         self._current: Snapshot | None = None
+        self._dropped: list[int] = []
         self._retry_at = self._delete_poll_at = self._chores_at = 0.0
-        self._prune_wanted = self._paused = self._closed = False
-        self._prune_at = float("inf")  # a pass is due then (a doubt to look at again, checkpoints settling)
+        self._prune_wanted = self._adopt_wanted = self._paused = self._closed = self._woken = False
+        self._prune_at = float("inf")  # a pass is due then (a doubt to look at again, the ladder)
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._loop, name="colab_kit-mirror", daemon=True)
         self.writer = writer
+        self.threaded = threaded and writer
         if writer:
             journal.on_pending = self.wake
-            self._thread.start()
+            if self.threaded:
+                self._thread.start()
         else:
             self._closed = True
 
     # -- main-thread API -------------------------------------------------------------------
     def adopt_existing(self) -> None:
-        """Learn the cloud state of the checkpoints already in the folder (a restart), and let the
-        worker prune what the rules allow (leftovers of a killed run among them: the folders found
-        unfinished now are this writer's to delete, since it holds the lease)."""
+        """Have the worker learn the cloud state of the checkpoints already in the folder (a restart) and
+        let go of what the rules allow. Returns at once: the folder is read in the worker."""
         if not self.writer:
             return
-        self.ours.update(unfinished_folders(self.run_dir / CHECKPOINTS))
-        self.tracker.adopt(self.run_dir / CHECKPOINTS)
         with self._cond:
-            self._prune_wanted = True
+            self._adopt_wanted = True
+            self._woken = True
             self._cond.notify_all()
 
     def wake(self) -> None:
         """Something was queued (a journal line, a small file): the worker looks at once. Cheap, and
         safe to call from the training thread."""
         with self._cond:
+            self._woken = True
             self._cond.notify_all()
 
     def write_later(self, path: str | Path, data) -> None:
-        """Write `data` (bytes, or a JSON document) to `path` in the persistent folder, from the worker."""
-        if not self.writer:
+        """Write `data` (bytes, a JSON document, or a function of the bytes there now) to `path` in the
+        persistent folder, from the worker; never on the caller's thread beyond a few seconds, and never
+        once the lease is another runtime's."""
+        if not self.writer or self._paused:
             return
         self.deferred.write_later(path, data)
-        if self._thread.is_alive():
+        if self._thread.is_alive() or not self.threaded:
             self.wake()
-        else:  # no worker any more (after finish): the caller writes, as it would without the kit
-            self.deferred.flush()
+        else:  # no worker any more (after finish): written now, waited for a few seconds at most
+            try:
+                clock.within(5.0, self.deferred.flush)
+            except Exception as exc:  # noqa: BLE001 - Late, or Drive trouble: it waits for the next flush
+                log.info("writing %s waits: %s", path, exc)
 
     def submit(self, snapshot: Snapshot) -> None:
         """Queue `snapshot`; it replaces the queued, older ones (never the one being uploaded, nor
@@ -149,6 +170,7 @@ class Mirror:
                 log.info("checkpoint-%d superseded by checkpoint-%d before upload", old.step, snapshot.step)
                 discard(old)
             self._queued = kept + [snapshot]
+            self._woken = True
             self._cond.notify_all()
 
     @property
@@ -161,6 +183,11 @@ class Mirror:
     def paused(self) -> bool:
         return self._paused
 
+    @property
+    def dropped_steps(self) -> list[int]:
+        """Steps that will never be written: queued when the lease was lost."""
+        return list(self._dropped)
+
     # What the publisher knows, said by the mirror (run.status() reads them).
     written_step = property(lambda self: self.publisher.written_step,
                             lambda self, step: setattr(self.publisher, "written_step", step))
@@ -172,28 +199,38 @@ class Mirror:
         """Wait until every submitted checkpoint, journal line and small file is written; False on
         timeout, when paused, or when the worker thread is not alive (a process forked from the one
         that started it)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = None if timeout is None else clock.monotonic() + timeout
         with self._cond:
             if self._paused:
                 return False
-            while self._current is not None or self._queued or self.journal.pending or self.deferred.pending:
+            while self._busy():
                 if self._paused or not self._thread.is_alive():
                     return False
-                left = None if deadline is None else deadline - time.monotonic()
+                left = None if deadline is None else deadline - clock.monotonic()
                 if left is not None and left <= 0:
                     return False
                 self._cond.wait(timeout=min(left, 1.0) if left is not None else 1.0)
         return True
 
+    def _busy(self) -> bool:
+        return bool(self._current is not None or self._queued or self.journal.pending or self.deferred.pending
+                    or self._adopt_wanted)
+
     def pause(self, reason: str) -> None:
-        """Stop uploading and pruning for good (the lease was lost to another runtime)."""
+        """Stop for good (the lease was lost to another runtime): nothing more is uploaded, pruned,
+        journaled or written to the run folder by this runtime; what was queued is dropped and said."""
         with self._cond:
+            if self._paused:
+                return
             self._paused = True
             self.publisher.unsynced_reason = reason
+            self._dropped = [s.step for s in self._queued] + ([self._current.step] if self._current else [])
             for old in self._queued:
                 discard(old)
             self._queued = []
             self._cond.notify_all()
+        self.journal.stop_persistent(reason)
+        self.deferred.drop()
 
     def _lease_ok(self) -> bool | None:
         """Is the lease still ours? True, False (lost: pauses, for good) or None (unknown: not now)."""
@@ -208,12 +245,12 @@ class Mirror:
 
     def finish_deletions(self, timeout: float) -> bool:
         """Wait (up to `timeout` s) for the Trash-free deletions under way; False if some remain
-        (they stay as empty files in a folder without a manifest, cleaned up at the next start)."""
-        deadline = time.monotonic() + timeout
+        (they stay as empty files in a folder without a manifest, deleted at a later pass)."""
+        deadline = clock.monotonic() + timeout
         with self._cond:
-            while self.deleter.pending and not self._paused and self.kind == DRIVEFS and time.monotonic() < deadline:
-                self._cond.wait(timeout=min(deadline - time.monotonic(), 0.5))
-        return not self.deleter.pending
+            while self.gate.pending and not self._paused and self.kind == DRIVEFS and clock.monotonic() < deadline:
+                self._cond.wait(timeout=min(deadline - clock.monotonic(), 0.5))
+        return not self.gate.pending
 
     def prune_now(self, deadline: float) -> None:
         """After `close()`: one pruning pass in the calling thread (the checkpoints that reached the
@@ -221,9 +258,9 @@ class Mirror:
         if self._thread.is_alive() or self._paused or not self.writer:
             return
         self._prune()
-        while self.deleter.pending and time.monotonic() < deadline:
-            self.deleter.poll()
-            time.sleep(0.2)
+        while self.gate.pending and clock.monotonic() < deadline:
+            self.gate.poll()
+            clock.sleep(0.2)
 
     def close(self, timeout: float = 10.0) -> None:
         with self._cond:
@@ -238,65 +275,79 @@ class Mirror:
 
     # -- worker ------------------------------------------------------------------------------
     def _loop(self) -> None:
-        while (snap := self._next()) is not False:
-            try:
-                self._housekeeping()
-            except Exception:  # a bug or Drive trouble must not kill the thread silently
-                log.exception("colab_kit: checkpoint housekeeping failed; trying again later")
-            if snap is not None:
-                self._attempt(snap)
-
-    def _next(self):
-        """Wait for work: a snapshot to upload now, or housekeeping that is due (None); False: stop."""
-        with self._cond:
-            while True:
+        while True:
+            with self._cond:
                 if self._closed or self._paused:
-                    return False
-                now = time.monotonic()
-                if self._current is None and self._queued and self._gate_open(now):
-                    self._current = self._queued.pop(0)
-                if self._current is not None and now >= self._retry_at:
-                    return self._current
-                chores = self.journal.pending or self.deferred.pending or self.tracker.missing(0.0)
-                waits = [w for w in (self.tracker.next_poll_in(), self._gate_wait(now),
-                                     self._retry_at - now if self._current is not None else None,
-                                     self._delete_poll_at - now if self.deleter.pending else None,
-                                     self._chores_at - now if chores else None,
-                                     self._prune_at - now if self._prune_at != float("inf") else None,
-                                     0.0 if self._prune_wanted else None) if w is not None]
-                if waits and min(waits) <= 0:
-                    return None
-                self._cond.wait(timeout=min(waits + [30.0]))  # idle: look again now and then anyway
+                    return
+                self._woken = False
+            wait = self.step()
+            with self._cond:
+                if self._closed or self._paused:
+                    return
+                if not self._woken and wait > 0:
+                    self._cond.wait(timeout=min(wait, _IDLE_S))
 
-    def _gate_open(self, now: float) -> bool:
-        return self.prune_after == "written" or self.publisher.gate_open(now, self.settle)
+    def step(self) -> float:
+        """One round of the worker: what is due of the chores (journal lines, small files, learning the
+        folder, confirmations, pruning, deletions under way), then one try at the snapshot whose turn it
+        is. Returns the seconds until it wants to run again. Never raises."""
+        if self._paused or not self.writer:
+            return _IDLE_S
+        try:
+            self._housekeeping()
+        except Exception:  # a bug or Drive trouble must not kill the worker silently
+            log.exception("colab_kit: checkpoint housekeeping failed; trying again later")
+        now = clock.monotonic()
+        with self._cond:
+            if self._current is None and self._queued and self._turn_came(now):
+                self._current = self._queued.pop(0)
+            snap = self._current if self._current is not None and now >= self._retry_at and not self._paused else None
+        if snap is not None:
+            self._attempt(snap)
+        return self._next_wait()
 
-    def _gate_wait(self, now: float) -> float | None:
-        if not self._queued or self._current is not None or self._gate_open(now):
-            return None
-        return 1.0  # re-check as confirmations arrive (the poller wakes us sooner)
+    def _next_wait(self) -> float:
+        now = clock.monotonic()
+        with self._cond:
+            chores = self.journal.pending or self.deferred.pending or self.tracker.missing(0.0)
+            waits = [w for w in (self.tracker.next_poll_in(),
+                                 1.0 if self._queued and self._current is None else None,  # its turn comes
+                                 self._retry_at - now if self._current is not None else None,
+                                 self._delete_poll_at - now if self.gate.pending else None,
+                                 self._chores_at - now if chores else None,
+                                 self._prune_at - now if self._prune_at != float("inf") else None,
+                                 0.0 if self._prune_wanted or self._adopt_wanted else None) if w is not None]
+        return max(0.0, min(waits + [_IDLE_S]))
+
+    def _turn_came(self, now: float) -> bool:
+        return self.prune_after == "written" or self.publisher.may_write_next(now, self.pace_bps)
 
     def _housekeeping(self) -> None:
-        now = time.monotonic()
+        if self._adopt_wanted:
+            self.tracker.adopt(self.run_dir / CHECKPOINTS)
+            with self._cond:
+                self._adopt_wanted, self._prune_wanted = False, True
+                self._cond.notify_all()
+        now = clock.monotonic()
         if now >= self._chores_at and (self.journal.pending or self.deferred.pending):
-            done = self.journal.flush(timeout=0) & self.deferred.flush()
+            done = self.journal.flush(timeout=0) & self.deferred.flush(self._lease_ok)
             self._chores_at = now if done else now + _CHORES_RETRY_S
             with self._cond:
                 self._cond.notify_all()  # drain() may be waiting for them
         confirmed = self.tracker.poll()
         self.kept.release_safe()
         if self.tracker.missing(0.0) and now >= self._chores_at:
-            self.kept.upload_missing(self.journal, self.notices, self._lease_ok)
+            self.kept.upload_missing(self._lease_ok)
             self._chores_at = max(self._chores_at, now + _CHORES_RETRY_S)
         with self._cond:
             wanted, self._prune_wanted = self._prune_wanted, False
             if confirmed:
-                self._cond.notify_all()  # the gate may be open now
+                self._cond.notify_all()  # the next snapshot's turn may have come
         if wanted or now >= self._prune_at or any(u.step is not None for u in confirmed):
             self._prune()
-        if self.deleter.pending and time.monotonic() >= self._delete_poll_at:
-            self.deleter.poll()
-            self._delete_poll_at = time.monotonic() + _DELETE_POLL_S
+        if self.gate.pending and clock.monotonic() >= self._delete_poll_at:
+            self.gate.poll()
+            self._delete_poll_at = clock.monotonic() + _DELETE_POLL_S
 
     def _attempt(self, snap: Snapshot) -> None:
         try:
@@ -326,21 +377,25 @@ class Mirror:
                 self._queued.append(snap)
                 self._current = None
             else:
-                self._retry_at = time.monotonic() + delay
+                self._retry_at = clock.monotonic() + delay
             self._cond.notify_all()
 
     def _upload(self, snap: Snapshot) -> None:
         upload = self.publisher.write(snap, self._lease_ok)
+        if upload is None:  # kept what the folder holds at this step (the gate said why): nothing to follow
+            discard(snap)
+            return
         self.kept.keep(snap)
         in_cloud = self.tracker.add(upload)
         if in_cloud or self.prune_after == "written" or self.kind == UNCONFIRMED:
             self._prune()
 
     def _prune(self) -> None:
-        protect = {s.step for s in (self._current,) if s is not None}
-        done = self.pruner.prune(self.tracker, protect=protect, best=self.best_step, ours=self.ours,
-                                 lease_ok=self._lease_ok)
-        # Look again soon after a doubt; while checkpoints settle (no attributes), as they settle.
-        waiting = done is None or (self.kind == UNCONFIRMED and self.prune_after == "cloud"
-                                   and len(self.tracker.checkpoint_steps()) > 1)
-        self._prune_at = time.monotonic() + _PRUNE_AGAIN_S if waiting else float("inf")
+        protect = {s.step for s in (self._current,) if s is not None} | self.protected
+        done = self.pruner.prune(self.tracker, protect=protect, best=self.best_step)
+        if done is None:
+            self._prune_at = clock.monotonic() + _PRUNE_AGAIN_S
+        elif self.pruner.kind == UNCONFIRMED and len(self.tracker.checkpoint_steps()) > 1:
+            self._prune_at = clock.monotonic() + _LADDER_AGAIN_S
+        else:
+            self._prune_at = float("inf")

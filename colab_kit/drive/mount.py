@@ -108,7 +108,8 @@ def resolve_root(drive: str | os.PathLike | None = None) -> tuple[Path, bool]:
     """
     if drive is not None or os.environ.get(ENV_DRIVE):
         root = Path(drive if drive is not None else os.environ[ENV_DRIVE]).expanduser().absolute()
-        under_mount = root == Path(COLAB_MOUNT) or Path(COLAB_MOUNT) in root.parents
+        real = root.resolve()  # a folder reached through a symlink into Drive is on Drive
+        under_mount = any(Path(COLAB_MOUNT) == p or Path(COLAB_MOUNT) in p.parents for p in (root, real))
         if under_mount and not _is_mounted(Path(COLAB_MOUNT)):
             raise DriveError(
                 f"{root} is under {COLAB_MOUNT}, but Google Drive is not mounted there, so it would be a folder "

@@ -1,25 +1,32 @@
-"""Writing one checkpoint's snapshot to the persistent folder, for the mirror's thread: the files
+"""Writing one checkpoint's snapshot to the persistent folder, for the mirror's worker: the files
 first, each read back, MANIFEST.json last (`checkpoints.checkpoint.publish_folder`), after checking
 that the lease is still this runtime's and that the folder has room; and saying how it went.
+
+A checkpoint folder that holds a manifest is never written over here: the same checkpoint is left as
+it is (or repaired, file by file, its manifest untouched); another checkpoint of the same step is
+replaced only through the gate (`gate.py`), on the proof that a newer one is in the cloud. A folder
+without a manifest is written into when this writer made it, or when looks spaced in time agree that
+it has none (a manifest Drive hides for a moment is still a checkpoint).
 """
 
 from __future__ import annotations
 
 import errno
 import logging
-import time
 from pathlib import Path
 from typing import Callable
 
+from .._clock import clock
 from .._notices import Notices
 from .._units import format_age, format_bytes
-from ..checkpoints import validity
-from ..checkpoints.checkpoint import CHECKPOINTS, checkpoint_dir, publish_folder
+from ..checkpoints import looks, storage, validity
+from ..checkpoints.checkpoint import CHECKPOINTS, checkpoint_dir, publish_folder, repair_folder
 from ..checkpoints.journal import Journal
-from ..checkpoints.manifest import Manifest, read_manifest
+from ..checkpoints.manifest import MANIFEST, Manifest, parse_manifest
 from ..checkpoints.snapshot import Snapshot, snapshot_manifest
 from .cloud import CloudTracker, Upload, upload_for
 from .drivefs import API, DRIVEFS, PLAIN, UNCONFIRMED, check_space
+from .gate import CheckpointGate, choose
 
 __all__ = ["Publisher"]
 
@@ -32,15 +39,19 @@ class Publisher:
     """Writes snapshots to `run_dir/checkpoints/` and keeps the count of failures.
 
     Args:
-        ours: the set of folders this writer created (the pruner may delete them unfinished).
         backoff: (first, longest) seconds between retries of a failed write.
-        on_disconnected: called (from the mirror's thread) on errno 107, to remount Drive.
+        on_disconnected: called (from the mirror's worker) on errno 107, to remount Drive.
+        gate: the run folder's `CheckpointGate` (another checkpoint of the same step is replaced there).
+        known_steps: the checkpoints the journal says the folder holds.
     """
 
     def __init__(self, run_dir: Path, *, tracker: CloudTracker, journal: Journal, notices: Notices,
-                 ours: set[Path], backoff: tuple[float, float], on_disconnected: Callable[[], None] | None):
+                 backoff: tuple[float, float], on_disconnected: Callable[[], None] | None,
+                 gate: CheckpointGate, known_steps=()):
         self.run_dir, self.tracker, self.journal, self.notices = Path(run_dir), tracker, journal, notices
-        self.ours, self.backoff, self.on_disconnected = ours, backoff, on_disconnected
+        self.backoff, self.on_disconnected, self.gate = backoff, on_disconnected, gate
+        self.known_steps = set(known_steps)
+        self.made: set[Path] = set()  # the folders this writer created
         self.written_step: int | None = None
         self.failures = 0  # consecutive failed attempts
         self.total_failures = 0
@@ -48,16 +59,17 @@ class Publisher:
         self.in_flight: Upload | None = None  # the upload written last, on its way to the cloud
         self._gate_warned = False
 
-    def gate_open(self, now: float, settle) -> bool:
+    def may_write_next(self, now: float, pace_bps: float) -> bool:
         """May the next snapshot be written now? On Drive one checkpoint at a time is in DriveFS's
         upload queue: the next waits until the one in flight is in the cloud (or, where nothing
-        reports uploads, for its upload time at the assumed rate), or until it has waited too long."""
+        reports uploads, for its size at `pace_bps`), or until it has waited too long. Pacing only:
+        nothing is ever deleted on a rate."""
         upload, tracker = self.in_flight, self.tracker
         if (upload is None or upload.confirmed is not None or tracker.kind == PLAIN
                 or tracker.get(upload.label) is not upload):
             return True
-        if tracker.kind == UNCONFIRMED:  # nothing reports the upload: give it its assumed upload time
-            return now - upload.written >= upload.bytes / settle.rate_bps
+        if tracker.kind == UNCONFIRMED:  # nothing reports the upload: give it time, at an assumed rate
+            return now - upload.written >= upload.bytes / pace_bps
         expected = tracker.expected_upload_s(upload.bytes) or 0.0
         if now - upload.written < max(GATE_MIN_S, 3 * expected):
             return False
@@ -70,28 +82,83 @@ class Publisher:
             self.journal.write("warn", what="upload_slow", step=upload.step, waited_s=round(now - upload.written))
         return True
 
-    def write(self, snap: Snapshot, lease_ok: Callable[[], bool | None]) -> Upload:
-        """Write `snap` (unless the folder holds it already) and return its `Upload`.
+    def write(self, snap: Snapshot, lease_ok: Callable[[], bool | None]) -> Upload | None:
+        """Write `snap` (unless the folder holds it already) and return its `Upload`; None when the folder
+        holds another checkpoint of this step that the gate kept (said in the journal).
 
         Raises:
             OSError: Drive trouble, or the lease not confirmed now (EAGAIN). SnapshotChanged.
         """
-        started = time.monotonic()
+        started = clock.monotonic()
         manifest = snapshot_manifest(snap)
         held = lease_ok()
         if held is not True:
             raise OSError(errno.EAGAIN, "the run's lease could not be confirmed, so nothing is written now"
                           if held is None else "another runtime holds the run folder now")
         target = checkpoint_dir(self.run_dir / CHECKPOINTS, snap.step)
-        self.ours.add(target)
-        if target.is_dir() and _same_manifest(target, manifest) and validity.check(target, step=snap.step).valid:
+        state = self._state(target, manifest)
+        if state == "same":
             log.info("checkpoint-%d is already on %s", snap.step, self.run_dir)
-        else:
-            # Bytes written but not yet uploaded: known only where DriveFS reports them.
-            pending = self.tracker.pending_bytes if self.tracker.kind in (DRIVEFS, API) else 0
-            check_space(self.run_dir, snap.bytes, pending, f"checkpoint-{snap.step}")
+        elif state == "repair":
+            written = repair_folder(snap.path, target, manifest)
+            log.info("checkpoint-%d on %s repaired (%s)", snap.step, self.run_dir, ", ".join(written) or "nothing")
+        elif state == "other":
+            if not self._replace(target, snap, manifest):
+                self.notices.add(f"{target} holds another checkpoint of step {snap.step} (from an earlier timeline) "
+                                 f"that may be the only copy in the cloud, so it was kept and this one was not "
+                                 f"uploaded; the next checkpoint will be")
+                return None
+        else:  # "new": nothing there, or leftovers without a manifest
+            self._check_space(snap)
+            self.made.add(target)
             publish_folder(snap.path, target, manifest)
-        seconds = time.monotonic() - started
+        return self._written(snap, target, manifest, started)
+
+    def _state(self, target: Path, manifest: Manifest) -> str:
+        """"same", "repair" (the same manifest, a file missing or damaged), "other" (another manifest) or
+        "new" (no manifest: every look agrees, or this writer made the folder)."""
+        def look():
+            try:
+                return storage.read_bytes(target / MANIFEST)
+            except FileNotFoundError:
+                return None
+
+        raw = look()
+        if raw is None and target not in self.made and self._known(target):
+            raw = looks.again(look, lambda answer: answer is None)
+        if raw is None:
+            return "new"
+        there = parse_manifest(raw)
+        verdict = validity.check(target, step=manifest.step)
+        if verdict.unknown and not verdict.absent:  # a torn read among them: look again later
+            raise OSError(errno.EIO, f"{target.name}: {verdict.reason}")
+        if there is None or there.files != manifest.files or there.step != manifest.step:
+            return "other"
+        return "same" if verdict.valid else "repair"
+
+    def _known(self, target: Path) -> bool:
+        """Is a checkpoint at `target` possible? (The journal, or the folder as followed, say one was there.)
+        A step nobody wrote needs one look only: this runtime holds the lease."""
+        step = int(target.name.split("-")[-1])
+        return step in self.known_steps or step in self.tracker.checkpoint_steps() or storage.exists(target)
+
+    def _replace(self, target: Path, snap: Snapshot, manifest: Manifest) -> bool:
+        newest = self.tracker.newest_in_cloud()
+        try:
+            there = choose(target, snap.step)
+            witness = choose(newest.folder, newest.step) if newest is not None else None
+        except OSError as exc:
+            raise OSError(errno.EIO, f"{target.name} could not be read ({exc})") from exc
+        return self.gate.replace(there, witness,
+                                 lambda: publish_folder(snap.path, target, manifest, replace=True))
+
+    def _check_space(self, snap: Snapshot) -> None:
+        # Bytes written but not yet uploaded: known only where DriveFS reports them.
+        pending = self.tracker.pending_bytes if self.tracker.kind in (DRIVEFS, API) else 0
+        check_space(self.run_dir, snap.bytes, pending, f"checkpoint-{snap.step}")
+
+    def _written(self, snap: Snapshot, target: Path, manifest: Manifest, started: float) -> Upload:
+        seconds = clock.monotonic() - started
         self.written_step = snap.step
         if self.failures:
             self.notices.add(f"sync to {self.run_dir} works again; checkpoint-{snap.step} is written")
@@ -120,12 +187,5 @@ class Publisher:
         self.journal.write("warn", what="sync_failed", step=snap.step, error=str(exc),
                            errno=getattr(exc, "errno", None), attempt=self.failures, retry_in=delay)
         if disconnected and self.on_disconnected is not None:
-            self.on_disconnected()  # a remount, here in the mirror's thread: training never waits for it
+            self.on_disconnected()  # a remount, here in the mirror's worker: training never waits for it
         return delay
-
-
-def _same_manifest(folder: Path, manifest: Manifest) -> bool:
-    try:
-        return read_manifest(folder).files == manifest.files
-    except (ValueError, OSError):
-        return False

@@ -1,69 +1,82 @@
-"""Which checkpoints to delete: only what a newer checkpoint *in the cloud* makes unnecessary, and
-nothing at all on doubt.
+"""Which checkpoints to let go: the rules that choose, for `gate.py`, which takes the proof and deletes.
 
-A delete is a small metadata operation and reaches Drive's cloud before a large pending upload
-does, so pruning on anything less than "a newer checkpoint is in the cloud" can leave no
-checkpoint in the cloud at all (shown on the DriveFS emulator in tests/drive/test_cloud_e2e.py).
-`keep` counts checkpoints in the cloud; what is newer and still on its way is kept too.
+Where uploads are confirmed (DriveFS's attributes, Drive's API) `keep` counts checkpoints *in the
+cloud*: older ones go once a newer one is there, and what is newer than the newest one there stays
+(a delete is a small metadata operation and reaches the cloud before a large pending upload does, so
+pruning on anything less can leave no checkpoint in the cloud at all: tests/drive/test_cloud_e2e.py).
+On a plain folder, written and read back is as safe as it gets.
 
-"In the cloud" depends on the folder (`drivefs.folder_kind`): confirmed by DriveFS's attributes;
-on a Drive mount without them, *settled*: written longer ago than `Settle.age`, an assumption
-stated to the user, never a claim; on a plain folder, written and read back.
+Where nothing confirms uploads (a Drive mount without attributes, another network mount, and no API),
+no guess about the upload rate may delete. The kit keeps a *ladder*, whatever the rate:
 
-A pruning pass decides from reads, and a read that fails is unknown, not "invalid" or "gone": the
-pass then stops and deletes nothing (`Pruner.prune` returns None), and the next pass looks again.
+  - the run's oldest checkpoint (never deleted there: every deletion needs an older checkpoint to vouch
+    for it, `gate.py`), so that once one checkpoint reached the cloud, one always is there;
+  - every checkpoint younger than `base_s` (they may be on their way);
+  - and one per doubling of age beyond it (the oldest written in each band [base, 2 base), [2 base,
+    4 base), ...), so that something about half the run's age or younger is there too.
+
+That is about log2(run age / base) + 2 checkpoints (9 for a 12-hour run at the default 10 minutes).
+
+A pass decides from reads, and a read that fails is unknown, not "invalid" or "gone": the pass then
+stops and deletes nothing (`Pruner.prune` returns None), and the next pass looks again.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import math
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Iterable
 
-from .._units import format_age, format_bytes
-from ..checkpoints import storage, validity
+from .._clock import clock
+from .._units import format_age
+from ..checkpoints import validity
 from ..checkpoints.checkpoint import list_checkpoints
-from ..checkpoints.manifest import MANIFEST
-from .driveapi import ApiDeleter
-from .drivefs import API, DRIVEFS, PLAIN, TrashFreeDeleter
+from .drivefs import PLAIN, UNCONFIRMED
+from .gate import Chosen, CheckpointGate, choose
 
-__all__ = ["Settle", "prunable", "Pruner", "unfinished_folders"]
+__all__ = ["Ladder", "prunable", "ladder", "Pruner"]
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class Settle:
-    """On a Drive mount that does not report uploads: how long after it was written a checkpoint is
-    taken to have reached the cloud, `base_s` plus its upload time at an assumed `rate_bps`.
+class Ladder:
+    """What the ladder keeps where nothing confirms uploads: see the module docstring."""
 
-    Nothing is ever *called* in the cloud on such a mount. The age only decides pruning: no checkpoint
-    is deleted until a newer one is settled, so one old enough to have uploaded always stays. Users
-    report Drive uploading at tens of KB/s to a few MB/s (shared/research/drive-reality.md); at the
-    defaults a 1.3 GB checkpoint settles after 10 min + 1,300 s = 31.7 min.
-    """
+    def __init__(self, base_s: float = 600.0):
+        if not isinstance(base_s, (int, float)) or isinstance(base_s, bool) or not base_s > 0:
+            raise ValueError(f"settle={base_s!r}: give a duration longer than zero, such as \"10min\"")
+        self.base_s = float(base_s)
 
-    base_s: float = 600.0
-    rate_bps: float = 1e6
+    def describe(self) -> str:
+        return (f"the run's oldest checkpoint, every one younger than {format_age(self.base_s)}, and one per "
+                f"doubling of age beyond that")
 
-    def age(self, nbytes: int) -> float:
-        return self.base_s + nbytes / self.rate_bps
 
-    def describe(self, nbytes: int | None = None) -> str:
-        rule = f"{format_age(self.base_s)} plus its upload time at an assumed {format_bytes(self.rate_bps)}/s"
-        return rule + (f" ({format_age(self.age(nbytes))} for {format_bytes(nbytes)})" if nbytes else "")
+def ladder(written: dict[int, float], now: float, base_s: float) -> set[int]:
+    """The steps the ladder keeps, given when each was written (`written`: step -> time)."""
+    if not written:
+        return set()
+    kept = {min(written, key=lambda s: (written[s], s))}  # the oldest written
+    bands: dict[int, int] = {}
+    for step, at in written.items():
+        age = now - at
+        if age < base_s:
+            kept.add(step)
+            continue
+        band = int(math.log2(age / base_s))
+        if band not in bands or (at, step) < (written[bands[band]], bands[band]):
+            bands[band] = step
+    return kept | set(bands.values())
 
 
 def prunable(steps: Iterable[int], valid: set[int], safe: set[int], keep: int,
              protect: set[int] = frozenset(), best: int | None = None) -> list[int]:
-    """The checkpoints to delete, given which are valid and which are safe (in the cloud).
+    """The checkpoints to delete where uploads are confirmed, given which are valid and which are safe.
 
-    Keeps the `keep` newest safe checkpoints (so at least one always remains), anything newer than
-    the newest safe one that is still valid (it may be on its way to the cloud) and `protect`;
-    deletes everything else. With no safe checkpoint nothing is deleted: a deletion reaches the
-    cloud before a large pending upload does, so pruning on anything less can leave no checkpoint
-    in the cloud at all.
+    Keeps the `keep` newest safe checkpoints (so at least one always remains), everything newer than
+    the newest safe one (valid or not: it may be on its way, and what is newer is never deleted on
+    account of an older one), and `protect`; chooses the older rest. With no safe checkpoint nothing.
 
     `best`, the Trainer's best checkpoint, is never deleted while it is valid, and once safe it
     takes one of the `keep` places, as in the Trainer's own rotation: with keep=1 the newest and
@@ -79,59 +92,59 @@ def prunable(steps: Iterable[int], valid: set[int], safe: set[int], keep: int,
             break
         counted.add(step)
     kept = counted | set(protect) | ({best} if best in valid else set())
-    return sorted(s for s in steps if s not in kept and (s < newest or s not in valid))
+    return sorted(s for s in steps if s not in kept and s < newest)
 
 
 class Pruner:
-    """Deletes the checkpoints of one folder that the rules allow, and nothing on doubt: the Trash-free
-    way on Drive (`drivefs.TrashFreeDeleter`), journaled before the first file goes.
+    """Chooses the checkpoints of one folder that the rules let go, and hands each to the gate.
 
     Args:
         root: the folder of `checkpoint-<step>` folders.
-        kind: the folder's `drivefs` kind.
-        api: the `driveapi.DriveApi` of kind `API`, which deletes for good.
-        prune_after: "cloud", or "written" (the rule before 0.2, which also deleted at once, to
-            Drive's Trash: kept for the tests and bench/work_at_risk.py to show what it loses).
-        keep: checkpoints in the cloud to keep.
-        settle: the settle age on an UNCONFIRMED folder.
-        journal, notices: where `prune` events and the message for the user go.
+        kind: the folder's kind (the gate's: PLAIN for the rule before 0.2, `prune_after="written"`).
+        keep: checkpoints in the cloud to keep (where uploads are confirmed).
+        gate: the `CheckpointGate` that proves and deletes.
+        ladder: what is kept where nothing confirms uploads.
     """
 
-    def __init__(self, root: Path, *, kind: str, prune_after: str, keep: int, journal, notices,
-                 settle: Settle = Settle(), api=None):
-        self.root, self.kind, self.prune_after, self.keep = Path(root), kind, prune_after, keep
-        self.settle, self.journal, self.notices = settle, journal, notices
-        if kind == API and prune_after == "cloud":  # deleted for good by id: no Trash at all
-            self.deleter = ApiDeleter(api)
-        else:
-            self.deleter = TrashFreeDeleter(kind if prune_after == "cloud" else PLAIN)
+    def __init__(self, root: Path, *, kind: str, keep: int, gate: CheckpointGate, ladder: Ladder = Ladder()):
+        self.root, self.kind, self.keep, self.gate, self.ladder = Path(root), kind, keep, gate, ladder
         self.last_doubt: str | None = None  # why the last pass deleted nothing, when it was a doubt
-        self._told = False
 
-    def _safe(self, tracker, listed: set[int]) -> set[int]:
-        if self.prune_after == "written" or self.kind == PLAIN:
-            return set(listed)
-        if self.kind in (DRIVEFS, API):
-            return tracker.confirmed_steps(verified_only=False)
-        return tracker.settled_steps(self.settle.age)  # UNCONFIRMED
-
-    def prune(self, tracker, *, protect: set[int], best: int | None, ours: set[Path],
-              lease_ok: Callable[[], bool | None]) -> list[int] | None:
-        """One pass: start deleting what the rules allow; returns the steps, or None when a doubt (a
-        failed read, a listing without a checkpoint being followed, a lease that cannot be confirmed)
-        stopped the pass before anything was deleted. `ours`: the unfinished folders (no manifest) this
-        writer may delete, those it created or found at its start; any other one is left alone."""
+    def prune(self, tracker, *, protect: set[int], best: int | None) -> list[int] | None:
+        """One pass: delete what the rules allow and the gate proves; returns the steps, or None when a
+        doubt (a failed read, a listing without a checkpoint being followed) stopped the pass."""
         try:
-            listed = dict((s, p) for s, p in list_checkpoints(self.root) if p not in set(self.deleter.pending))
+            listed = {s: p for s, p in list_checkpoints(self.root) if p not in set(self.gate.pending)}
         except OSError as exc:
             return self._doubt(f"the checkpoints could not be listed ({exc.strerror or exc})")
         followed = tracker.checkpoint_steps()
         if followed - set(listed):  # a listing that hides a checkpoint: look again later
             return self._doubt(f"checkpoint-{min(followed - set(listed))} is missing from the listing")
-        safe_raw = self._safe(tracker, set(listed))
+        if self.kind == UNCONFIRMED:
+            plan = self._plan_ladder(listed, protect, best)
+        else:
+            plan = self._plan_confirmed(tracker, listed, protect, best)
+        if plan is None:
+            return None
+        doomed, witness, because = plan
+        self.last_doubt = None
+        deleted = []
+        for step in doomed:
+            try:
+                target = choose(listed[step], step)
+                done = self.gate.delete(target, witness, because=because)
+            except OSError as exc:  # Drive trouble: what is left is chosen again at the next pass
+                return self._doubt(f"checkpoint-{step} could not be deleted now ({exc.strerror or exc})")
+            if done:
+                tracker.forget(f"checkpoint-{step}")
+                deleted.append(step)
+        return deleted
+
+    def _plan_confirmed(self, tracker, listed: dict[int, Path], protect, best):
+        safe = set(listed) if self.kind == PLAIN else tracker.confirmed_steps(verified_only=False)
         verdicts: dict[int, validity.Verdict] = {}
         counted: list[int] = []
-        for step in sorted(safe_raw & set(listed), reverse=True):
+        for step in sorted(safe & set(listed), reverse=True):
             if len(counted) >= self.keep and step != best:
                 continue  # enough counted: only the best still needs a look
             verdict = verdicts[step] = validity.check(listed[step], step=step)
@@ -144,57 +157,39 @@ class Pruner:
                 tracker.forget(f"checkpoint-{step}")  # never claimed in the cloud
         known_bad = {s for s, v in verdicts.items() if not v.valid}
         doomed = prunable(listed, set(listed) - known_bad, set(counted), self.keep, set(protect), best)
-        chosen = []
-        for step in doomed:
+        if not doomed:
+            return [], None, ""
+        newest = max(counted)
+        try:
+            witness = choose(listed[newest], newest)
+        except OSError as exc:
+            return self._doubt(f"checkpoint-{newest} could not be read ({exc.strerror or exc})")
+        return doomed, witness, f"checkpoint-{newest} is {'in the cloud' if self.kind != PLAIN else 'saved'}"
+
+    def _plan_ladder(self, listed: dict[int, Path], protect, best):
+        chosen: dict[int, Chosen] = {}
+        for step, path in listed.items():
             try:
-                storage.stat(listed[step] / MANIFEST)
-            except FileNotFoundError:  # unfinished: only its own writer's leftovers may go
-                if listed[step] not in ours:
-                    log.info("leaving %s alone: unfinished, and not this writer's", listed[step])
-                    continue
+                chosen[step] = choose(path, step)
             except OSError as exc:
-                return self._doubt(f"checkpoint-{step}'s manifest could not be read ({exc.strerror or exc})")
-            chosen.append(step)
-        self.last_doubt = None
-        if not chosen:
-            return []
-        held = lease_ok()
-        if held is not True:  # lost (the mirror pauses) or not confirmed now: delete nothing
-            return self._doubt("the lease could not be confirmed" if held is None else "the lease was lost")
-        # Journaled first: a checkpoint reported in the cloud stays there until this line.
-        self.journal.write("prune", steps=chosen, trash_free=self.deleter.kind != PLAIN)
-        for step in chosen:
-            tracker.forget(f"checkpoint-{step}")
-            validity.forget(listed[step])
-            try:
-                self.deleter.start(listed[step], first=MANIFEST)
-            except OSError as exc:  # Drive trouble: the folder is chosen again at a later pass
-                log.info("could not delete %s yet: %s", listed[step], exc)
-                break
-        if self.deleter.kind == API and not self._told:
-            self._told = True
-            self.notices.add(f"deleted checkpoint-{chosen[0]} from Drive for good through its API (files.delete by "
-                             f"id): nothing goes to Drive's Trash, and the rest of your Trash is left alone")
-        elif self.deleter.kind != PLAIN and not self._told:
-            self._told = True
-            self.notices.add(f"deleted checkpoint-{chosen[0]} from Drive the Trash-free way: each file is emptied "
-                             f"before it is deleted, so Drive's Trash keeps only 0-byte stubs (for 30 days, or "
-                             f"until you empty the Trash at drive.google.com); they take no quota")
-        return chosen
+                return self._doubt(f"checkpoint-{step} could not be read ({exc.strerror or exc})")
+        finished = {s: c for s, c in chosen.items() if c.manifest_raw is not None}
+        if len(finished) < 2:
+            return [], None, ""
+        anchor = min(finished.values(), key=lambda c: (c.written_at, c.step))
+        verdict = validity.check(anchor.path, step=anchor.step)
+        if not verdict.valid:  # the anchor must verify (a read that fails is a doubt, a bad one waits)
+            return self._doubt(f"checkpoint-{anchor.step}, the oldest, does not verify now ({verdict})")
+        written = {s: c.written_at for s, c in finished.items()}
+        newest = max(finished.values(), key=lambda c: (c.written_at, c.step)).step
+        kept = ladder(written, clock.time(), self.ladder.base_s) | set(protect) | {newest}
+        if best is not None:
+            kept.add(best)
+        doomed = sorted(s for s, c in chosen.items() if s not in kept and c.written_at > anchor.written_at)
+        return doomed, anchor, f"the ladder keeps checkpoint-{anchor.step} (the oldest) and one per doubling of age"
 
     def _doubt(self, why: str) -> None:
         if why != self.last_doubt:
             log.info("pruning deleted nothing this time: %s", why)
         self.last_doubt = why
         return None
-
-
-def unfinished_folders(root: Path) -> list[Path]:
-    """The checkpoint folders under `root` without a manifest now (an empty list when it cannot be read)."""
-    try:
-        listed = list_checkpoints(root)
-    except OSError as exc:
-        log.debug("listing %s: %s", root, exc)
-        return []
-    return [path for step, path in listed
-            if validity.check(path, step=step, hashes=False).state == validity.UNFINISHED]

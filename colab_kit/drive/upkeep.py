@@ -1,6 +1,6 @@
-"""What the mirror's thread does besides uploading checkpoints, so that the training thread never
-touches Drive: small files the training loop hands over (`micro_batch.json`), the journal's queued
-lines, the local copies kept until their checkpoint is safe, and uploading again what Drive lost.
+"""What the mirror's worker does besides uploading checkpoints, so that the training thread never
+touches Drive: small files the training loop hands over (`micro_batch.json`), the local copies kept
+until their checkpoint is safe, and uploading again what Drive lost.
 
 Each piece is tried when due and, on Drive trouble, again later; none of them raises.
 """
@@ -10,33 +10,39 @@ from __future__ import annotations
 import json
 import logging
 import threading
-import time
 from pathlib import Path
+from typing import Callable
 
-from ..checkpoints import storage
-from ..checkpoints.checkpoint import publish_folder
+from .._clock import clock
+from .._units import format_age
+from ..checkpoints import looks, storage
+from ..checkpoints.checkpoint import publish_folder, repair_folder
+from ..checkpoints.manifest import MANIFEST
 from ..checkpoints.snapshot import Snapshot, discard
 from .cloud import CloudTracker, Upload, upload_for
-from .drivefs import UNCONFIRMED
 
-__all__ = ["DeferredWrites", "KeptCopies", "MISSING_GRACE_S"]
+__all__ = ["DeferredWrites", "KeptCopies", "MISSING_GRACE_S", "MAX_KEPT"]
 
 log = logging.getLogger(__name__)
 # A followed upload that a poll cannot find for this long is uploaded again from its local copy
 # (a file can vanish from Drive's listing for a moment; one that stays away is lost).
 MISSING_GRACE_S = 30.0
+# Local copies kept for uploading again, at most (hard links: they cost disk once the Trainer deleted
+# its own copy). Confirmations that stall must not fill the VM's disk until a save fails.
+MAX_KEPT = 2
 
 
 class DeferredWrites:
-    """Small files to write to the persistent folder from the mirror's thread (bytes, or a JSON
-    document); the newest content of each path wins, and a write that fails waits for the next flush."""
+    """Small files to write to the persistent folder from the mirror's worker: bytes, a JSON document,
+    or a function of the bytes there now (None: none) that returns the bytes to write (a merge). The
+    newest content of each path wins; a write that fails waits for the next flush."""
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._waiting: dict[Path, bytes] = {}
+        self._waiting: dict[Path, object] = {}
 
     def write_later(self, path: str | Path, data) -> None:
-        if not isinstance(data, bytes):
+        if not isinstance(data, bytes) and not callable(data):
             data = (json.dumps(data, indent=1, sort_keys=True) + "\n").encode()
         with self._lock:
             self._waiting[Path(path)] = data
@@ -46,13 +52,20 @@ class DeferredWrites:
         with self._lock:
             return len(self._waiting)
 
-    def flush(self) -> bool:
-        """Write what waits; True when nothing is left."""
+    def drop(self) -> None:
+        """Forget what waits (the run folder is another runtime's now)."""
+        with self._lock:
+            self._waiting.clear()
+
+    def flush(self, lease_ok: Callable[[], bool | None] = lambda: True) -> bool:
+        """Write what waits, while the lease is this runtime's; True when nothing is left."""
         with self._lock:
             waiting = dict(self._waiting)
+        if waiting and lease_ok() is not True:
+            return False
         for path, data in waiting.items():
             try:
-                storage.atomic_write_bytes(path, data)
+                storage.atomic_write_bytes(path, data(_current(path)) if callable(data) else data)
             except OSError as exc:
                 log.debug("writing %s failed (%s); it waits", path, exc)
                 continue
@@ -62,30 +75,48 @@ class DeferredWrites:
         return not self.pending
 
 
+def _current(path: Path) -> bytes | None:
+    """What a merge starts from: the file's bytes, None when it is not there (OSError: unknown, try later)."""
+    try:
+        return storage.read_bytes(path)
+    except FileNotFoundError:
+        return None
+
+
 class KeptCopies:
     """The local snapshots of checkpoints already written to the persistent folder, kept until their
-    checkpoint is safe (in the cloud; settled on a Drive mount without attributes), so that one Drive
-    lost can be uploaded again. Hard links: they cost local disk only once the Trainer has deleted its
-    own copy."""
+    checkpoint is in the cloud, so that one Drive lost can be uploaded again. At most `MAX_KEPT`: while
+    confirmations do not come, the oldest copy goes (said once), and training goes on."""
 
-    def __init__(self, tracker: CloudTracker, settle_age):
-        self.tracker = tracker
-        self.settle_age = settle_age  # bytes -> seconds (the Pruner's Settle.age)
+    def __init__(self, tracker: CloudTracker, notices, journal, most: int | None = None):
+        self.tracker, self.notices, self.journal = tracker, notices, journal
+        self.most = MAX_KEPT if most is None else most
         self._kept: dict[int, Snapshot] = {}
         self.reuploads = 0
+        self._told = False
 
     def keep(self, snap: Snapshot) -> None:
         old = self._kept.pop(snap.step, None)
         if old is not None and old.path != snap.path:
             discard(old)
         self._kept[snap.step] = snap
+        while len(self._kept) > self.most:
+            oldest = min(self._kept)
+            discard(self._kept.pop(oldest))
+            if not self._told:
+                self._told = True
+                upload = self.tracker.get(f"checkpoint-{oldest}")
+                waited = format_age(clock.monotonic() - upload.written) if upload is not None else "a while"
+                self.notices.add(f"Drive has not confirmed checkpoint-{oldest} after {waited}; this VM keeps local "
+                                 f"copies of only the {self.most} newest checkpoints waiting for Drive, so that its "
+                                 f"disk does not fill. Training goes on; Drive keeps every checkpoint it was given")
+                self.journal.write("warn", what="kept_copies_bounded", dropped=oldest, most=self.most)
 
     def release_safe(self) -> None:
-        """Let go of the copies whose checkpoint is safe, pruned or forgotten."""
-        settled = self.tracker.settled_steps(self.settle_age) if self.tracker.kind == UNCONFIRMED else set()
+        """Let go of the copies whose checkpoint is in the cloud, pruned or forgotten."""
         for step, snap in list(self._kept.items()):
             upload = self.tracker.get(f"checkpoint-{step}")
-            if upload is None or upload.confirmed is not None or step in settled:
+            if upload is None or upload.confirmed is not None:
                 discard(self._kept.pop(step))
 
     def discard_all(self) -> None:
@@ -93,27 +124,42 @@ class KeptCopies:
             discard(snap)
         self._kept.clear()
 
-    def upload_missing(self, journal, notices, lease_ok) -> None:
-        """Upload again, from its local copy, what a poll has not found for MISSING_GRACE_S."""
+    def upload_missing(self, lease_ok) -> None:
+        """Upload again, from its local copy, what a poll has not found for MISSING_GRACE_S: the missing
+        files only, the manifest left as it is (a checkpoint whole in the cloud stays whole meanwhile)."""
         for upload in self.tracker.missing(MISSING_GRACE_S):
-            source = upload.source if upload.source is not None and upload.source.is_dir() else None
+            try:
+                source = upload.source if upload.source is not None and storage.is_dir(upload.source) else None
+            except OSError:
+                source = None
             if source is None or upload.manifest is None:  # lost for good: said, and no longer followed
-                journal.write("warn", what="missing_in_cloud", label=upload.label)
-                notices.add(f"{upload.label} is missing from {upload.folder.parent} and no local copy is left "
-                            f"to upload it again; it was never counted as in the cloud, and is not followed any more")
+                self.journal.write("warn", what="missing_in_cloud", label=upload.label)
+                self.notices.add(f"{upload.label} is missing from {upload.folder.parent} and no local copy is left "
+                                 f"to upload it again; it was never counted as in the cloud, and is not followed "
+                                 f"any more")
                 self.tracker.forget(upload.label)
                 continue
             if lease_ok() is not True:
                 return
             try:
-                publish_folder(source, upload.folder, upload.manifest)
+                self._upload_again(upload, source)
             except OSError as exc:
                 log.info("uploading %s again failed: %s", upload.label, exc)
                 continue
             self.reuploads += 1
-            journal.write("warn", what="reuploaded", label=upload.label, missing_s=round(
-                time.monotonic() - upload.missing_since, 1))
+            self.journal.write("warn", what="reuploaded", label=upload.label, missing_s=round(
+                clock.monotonic() - upload.missing_since, 1))
             self.tracker.add(_again(upload))
+
+    @staticmethod
+    def _upload_again(upload: Upload, source: Path) -> None:
+        def manifest_there():
+            return storage.exists(upload.folder / MANIFEST)
+
+        if looks.again(manifest_there, lambda there: not there):
+            repair_folder(source, upload.folder, upload.manifest)
+        else:  # the whole folder is gone at every look: written anew, manifest last
+            publish_folder(source, upload.folder, upload.manifest)
 
 
 def _again(upload: Upload) -> Upload:

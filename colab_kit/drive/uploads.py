@@ -7,10 +7,10 @@
 from __future__ import annotations
 
 import hashlib
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .._clock import clock
 from ..checkpoints import storage
 from ..checkpoints.manifest import MANIFEST, Manifest
 
@@ -26,17 +26,17 @@ class Upload:
     folder: Path
     files: dict[str, str | None]  # name -> our md5 (None: not known), MANIFEST.json included
     bytes: int
-    saved: float  # time.time() when its state was saved on local disk
-    started: float = field(default_factory=time.monotonic)  # writing to the folder began
-    written: float = field(default_factory=time.monotonic)  # its manifest was written
+    saved: float  # clock.time() when its state was saved on local disk
+    started: float = field(default_factory=clock.monotonic)  # writing to the folder began
+    written: float = field(default_factory=clock.monotonic)  # its manifest was written
     measure: bool = True  # False when `started` is not known (found at start-up)
-    confirmed: float | None = None  # time.monotonic() when seen in the cloud
-    confirmed_at: float | None = None  # time.time() of the same moment
+    confirmed: float | None = None  # clock.monotonic() when seen in the cloud
+    confirmed_at: float | None = None  # clock.time() of the same moment
     pending_bytes: int = 0
     next_poll: float = 0.0
     verified: bool = True  # every byte known to match the manifest (False: found at start, not read yet)
-    written_at: float = field(default_factory=time.time)  # time.time() when its manifest was written
-    missing_since: float | None = None  # time.monotonic() since when a poll cannot find it
+    written_at: float = field(default_factory=clock.time)  # clock.time() when its manifest was written
+    missing_since: float | None = None  # clock.monotonic() since when a poll cannot find it
     source: Path | None = None  # a local folder with the same files, to upload it again from
     manifest: Manifest | None = None
     sizes: dict[str, int] = field(default_factory=dict)  # name -> bytes, MANIFEST.json included
@@ -65,9 +65,9 @@ def upload_for(folder: Path, manifest: Manifest, label: str, *, saved: float | N
         sizes[MANIFEST] = storage.stat(folder / MANIFEST).st_size
     except OSError:
         pass  # not known: the API cannot confirm it until it is
-    now = time.monotonic()
+    now = clock.monotonic()
     return Upload(label=label, step=manifest.step if label != "final" else None, folder=folder, files=files,
                   bytes=manifest.total_bytes, saved=manifest.created if saved is None else saved,
                   started=now if started is None else started, written=now, measure=measure,
                   pending_bytes=manifest.total_bytes, source=source, verified=verified,
-                  written_at=time.time() if written_at is None else written_at, manifest=manifest, sizes=sizes)
+                  written_at=clock.time() if written_at is None else written_at, manifest=manifest, sizes=sizes)

@@ -20,7 +20,8 @@ import os
 from pathlib import Path
 from typing import Callable, Iterable
 
-from ..checkpoints.checkpoint import find_latest, step_of
+from ..checkpoints.checkpoint import step_of
+from ..checkpoints.search import find_latest
 
 __all__ = ["TRAINER_STATE", "step_of", "recorded_best", "fetch_best", "restore_best", "early_stopped"]
 

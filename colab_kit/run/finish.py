@@ -7,16 +7,19 @@ cloud, so that evaluation cells are not held up; the notebook's last `run.finish
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
-import time
 
+from .._clock import Late, clock
 from .._units import format_age, format_bytes
 from ..drive.drivefs import PLAIN, UNCONFIRMED
 from ..drive.mount import flush_hint
 from .registry import unregister
 
 __all__ = ["finish_run", "report", "flush_drive"]
+
+log = logging.getLogger(__name__)
 
 
 def finish_run(run, timeout: float | None, status: str, *, flush: bool = False, cloud_wait: bool = True) -> dict:
@@ -31,16 +34,9 @@ def finish_run(run, timeout: float | None, status: str, *, flush: bool = False, 
             run._finished = True
             run._summary = run.status() | {"status": status, "synced": None, "in_cloud": None}  # rank 0 knows
         return dict(run._summary)
-    deadline = None if timeout is None else time.monotonic() + timeout
+    deadline = None if timeout is None else clock.monotonic() + timeout
     if run._finished:  # again: wait for what is still on its way to the cloud
-        in_cloud = run.mirror.tracker.wait(deadline)
-        if in_cloud and run.lease.check() is True:  # what reached the cloud since allows pruning
-            run.mirror.prune_now(deadline if deadline is not None else time.monotonic() + 60)
-        summary = run.status() | {k: run._summary[k] for k in ("status", "synced")} | {"in_cloud": in_cloud}
-        report(run, summary, again=True)
-        if flush:
-            flush_drive(run)
-        return summary
+        return _finish_again(run, deadline, flush)
     run.clock.stop()
     run._close_gauges(error=None if status in ("finished", "completed") else status)
     run.poll()
@@ -54,20 +50,21 @@ def finish_run(run, timeout: float | None, status: str, *, flush: bool = False, 
         run.journal.write("warn", what="finish_unsynced", **summary)
         run.notices.show()
         return summary
+    tracker = run.mirror.tracker
     if cloud_wait and not run.mirror.paused:
-        in_cloud = run.mirror.tracker.wait(deadline)
+        tracker.wait(deadline)
     else:
-        run.mirror.tracker.poll(force=True)
-        in_cloud = run.mirror.tracker.all_in_cloud()
-    summary = run.status() | {"status": status, "synced": drained, "in_cloud": in_cloud}
-    if cloud_wait and not in_cloud and run.mirror.tracker.pending():
+        _within(deadline, lambda: tracker.poll(force=True))
+    summary = run.status() | {"status": status, "synced": drained and not run.mirror.paused,
+                              "in_cloud": _in_cloud(run)}
+    if cloud_wait and summary["in_cloud"] is False and tracker.pending():
         run.journal.write("warn", what="not_in_cloud", pending=summary["pending"],
                           pending_bytes=summary["pending_bytes"], durability=run.durability)
     run.journal.write("finish", **summary)
-    run.journal.flush()
-    run.mirror.finish_deletions(max(1.0, deadline - time.monotonic()) if deadline is not None else 60.0)
-    run.mirror.close()
-    run.lease.release()
+    _within(deadline, run.journal.flush)
+    run.mirror.finish_deletions(max(1.0, deadline - clock.monotonic()) if deadline is not None else 60.0)
+    run.mirror.close(timeout=_left(deadline, 10.0))
+    _within(deadline, run.lease.release, at_least=1.0)
     run._finished = True
     run._summary = summary
     unregister(run)
@@ -79,6 +76,40 @@ def finish_run(run, timeout: float | None, status: str, *, flush: bool = False, 
         flush_drive(run)
     return dict(summary)
 
+
+def _finish_again(run, deadline: float | None, flush: bool) -> dict:
+    """`finish()` on a finished run: wait for what is on its way, and prune what that allows."""
+    run.mirror.tracker.wait(deadline)
+    if run.mirror.tracker.all_in_cloud() and not run.mirror.paused:  # what reached the cloud since allows pruning
+        _within(deadline, lambda: run.mirror.prune_now(deadline if deadline is not None else clock.monotonic() + 60))
+    summary = run.status() | {k: run._summary[k] for k in ("status", "synced")} | {"in_cloud": _in_cloud(run)}
+    report(run, summary, again=True)
+    if flush:
+        flush_drive(run)
+    return summary
+
+
+def _in_cloud(run) -> bool | None:
+    """Everything written is confirmed in the cloud (None on a plain folder, which has no cloud; False
+    when the lease was lost with checkpoints this runtime never wrote)."""
+    if run.durability == PLAIN:
+        return None
+    return run.mirror.tracker.all_in_cloud() and not run.mirror.dropped_steps
+
+
+def _left(deadline: float | None, most: float) -> float:
+    return most if deadline is None else max(0.0, min(most, deadline - clock.monotonic()))
+
+
+def _within(deadline: float | None, fn, at_least: float = 0.2) -> None:
+    """`fn()` on a helper thread, waited for until `deadline` (at least `at_least` s): a call that hangs on
+    Drive goes on in the background, and `finish` keeps its timeout."""
+    try:
+        clock.within(None if deadline is None else max(at_least, deadline - clock.monotonic()), fn)
+    except Late:
+        log.info("%s goes on in the background (Drive is slow)", getattr(fn, "__name__", "a call"))
+
+
 def report(run, summary: dict, *, waited: bool = True, again: bool = False) -> None:
     """The one status line of finish(): what is in the cloud, and plainly what is not."""
     tracker = run.mirror.tracker
@@ -86,6 +117,12 @@ def report(run, summary: dict, *, waited: bool = True, again: bool = False) -> N
     labels = tracker.pending_labels()
     head = f"colab_kit: run {run.name!r} " + (f"is already finished ({summary['status']})" if again
                                               else summary["status"])
+    if run.mirror.paused:
+        dropped = run.mirror.dropped_steps
+        print(f"{head}; another runtime took over {run.drive_dir}, so this one wrote nothing more there"
+              + (f": checkpoint(s) {dropped} stay only on this VM's disk ({run.local_dir})" if dropped else "")
+              + ". The run continues in the other runtime.")
+        return
     if run.durability == PLAIN:
         saved = f"checkpoint-{newest.step} is" if newest else "no checkpoint is"
         print(f"{head}; {saved} saved in {run.drive_dir} (a plain folder: safe once written and read back).")
@@ -93,12 +130,12 @@ def report(run, summary: dict, *, waited: bool = True, again: bool = False) -> N
     if run.durability == UNCONFIRMED:
         print(f"{head}; {labels or 'nothing'} written to Google Drive in {run.drive_dir}, but the kit cannot know "
               f"whether it is in the cloud: this mount does not report uploads (ck.drive_check() shows what it "
-              f"reports). Older checkpoints stay until a newer one was written {run.mirror.settle.describe()} ago. "
-              f"Keep the runtime connected for a while, or call run.finish(flush=True) "
-              f"(it pushes Drive's cache and unmounts Drive).")
+              f"reports). No guess about Drive's upload rate deletes anything: the kit keeps "
+              f"{run.mirror.ladder.describe()}. Keep the runtime connected for a while, or call "
+              f"run.finish(flush=True) (it pushes Drive's cache and unmounts Drive).")
         return
     where = (f"the newest checkpoint in the cloud is checkpoint-{newest.step} (saved "
-             f"{format_age(time.time() - newest.saved)} ago)") if newest else "no checkpoint is in the cloud"
+             f"{format_age(clock.time() - newest.saved)} ago)") if newest else "no checkpoint is in the cloud"
     if not pending:
         print(f"{head}; everything is in the cloud: {where}.")
         return

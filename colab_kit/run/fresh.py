@@ -13,11 +13,10 @@ would mix two runs, and a resume after a disconnect would pick the wrong one.
 from __future__ import annotations
 
 import os
-import shutil
 from datetime import datetime, timezone
 from pathlib import Path
 
-from ..checkpoints import storage, validity
+from ..checkpoints import looks, storage, validity
 from ..checkpoints.checkpoint import ARCHIVE, CHECKPOINTS, list_checkpoints, step_of
 from ..errors import CheckpointError, DriveError
 from .registry import TrainClock
@@ -27,17 +26,29 @@ __all__ = ["archive_checkpoints", "resume_argument", "start_over"]
 _DRAIN_S = 120.0  # a fresh start waits this long for uploads under way before it moves anything
 
 
-def archive_checkpoints(drive_dir: Path, local_dir: Path) -> Path | None:
-    """Move old checkpoints aside for a fresh start (nothing is deleted from Drive; the local copies go)."""
+def archive_checkpoints(run, *, expected: bool = True) -> Path | None:
+    """Move the run's checkpoints aside for a fresh start (through the gate: with the lease held; nothing is
+    deleted from Drive; the local copies go); the folder they went to, or None when there were none.
+
+    A listing that shows no checkpoint where the journal says there are some (`expected`) is looked at
+    again, spaced in time, before "nothing to archive" is believed: a new run mixed into the old run's
+    folder would make a later resume pick the old run's newest checkpoint.
+
+    Raises:
+        DriveError: the lease could not be confirmed, so nothing was moved.
+    """
+    checkpoints = run.drive_dir / CHECKPOINTS
+    listed = looks.again(lambda: list_checkpoints(checkpoints), lambda found: not found,
+                         None if expected else ())
     moved = None
-    if list_checkpoints(drive_dir / CHECKPOINTS):
+    if listed:
         stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
-        moved = drive_dir / ARCHIVE / f"checkpoints-{stamp}"
-        storage.make_dirs(moved.parent)
-        os.replace(drive_dir / CHECKPOINTS, moved)
-        storage.make_dirs(drive_dir / CHECKPOINTS)
-    for _, path in list_checkpoints(local_dir):
-        shutil.rmtree(path, ignore_errors=True)
+        moved = run.drive_dir / ARCHIVE / f"checkpoints-{stamp}"
+        if not run.mirror.gate.archive(checkpoints, moved):
+            raise DriveError(f"the checkpoints of {run.drive_dir} were not moved to {moved.parent}: the run's lease "
+                             f"could not be confirmed now; nothing was moved or deleted. Run the cell again")
+    for _, path in list_checkpoints(run.local_dir):
+        storage.remove_tree(path)
     return moved
 
 
@@ -93,9 +104,9 @@ def start_over(run) -> None:
         raise DriveError(f"resume_from_checkpoint=False: checkpoints of {run.drive_dir} are still being written "
                          f"(steps {run.mirror.pending_steps}), so they were not archived and nothing was started. "
                          f"Run the cell again once Drive answers")
-    run.mirror.close()
+    run.mirror.close()  # its worker no longer writes into the folder being moved (its gate still answers)
     try:
-        archived = archive_checkpoints(run.drive_dir, run.local_dir)
+        archived = archive_checkpoints(run)
     except OSError as exc:
         raise DriveError(f"resume_from_checkpoint=False: the checkpoints of {run.drive_dir} could not be moved "
                          f"to {run.drive_dir / ARCHIVE} ({exc}); nothing was deleted. Run the cell again") from exc

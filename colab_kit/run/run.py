@@ -19,7 +19,7 @@ from ..distributed.ranks import Ranks
 from ..drive.drivefs import PLAIN
 from ..drive.lease import Lease, LeaseInfo
 from ..drive.mirror import Mirror
-from ..drive.retention import Settle
+from ..drive.retention import Ladder
 from ..drive.mount import remount_drive
 from ..errors import ColabKitError
 from ..runtime import RuntimeInfo
@@ -56,7 +56,7 @@ class Run:
                  save_every_s: float | None, save_every_steps: int | None, keep: int,
                  runtime: RuntimeInfo, lease: Lease | None, journal: Journal, notices: Notices,
                  gauges: bool = True, kind: str = PLAIN, prune_after: str = "cloud", ranks: Ranks | None = None,
-                 settle: Settle = Settle(), api=None):
+                 ladder: Ladder = Ladder(), pace_bps: float = 1e6, api=None, known_steps=()):
         self.name = name
         self.drive_dir = drive_dir
         self.local_dir = local_dir
@@ -74,7 +74,8 @@ class Run:
         self.resume_best: Path | None = None
         self.resume_state: dict = {}
         self.clock = TrainClock()
-        self._mirror_settings = {"kind": kind, "prune_after": prune_after, "settle": settle, "api": api}
+        self._mirror_settings = {"kind": kind, "prune_after": prune_after, "ladder": ladder, "pace_bps": pace_bps,
+                                 "api": api, "known_steps": set(known_steps)}
         self.mirror = self.new_mirror()
         self.fingerprint: dict | None = None
         self.show_gauges = gauges

@@ -10,32 +10,29 @@ and `run.train` continues from it.
 from __future__ import annotations
 
 import atexit
-import json
 import logging
 import os
 import re
-import shutil
 import time
 import weakref
-from datetime import datetime, timezone
 from pathlib import Path
 
 from .._notices import Countdown, Notices
 from .._units import format_age, format_bytes, is_count, parse_duration, parse_rate
 from ..checkpoints import storage
-from ..checkpoints.checkpoint import (ARCHIVE, CHECKPOINTS, KIT_STATE, RETRY_WAITS, Found, list_checkpoints,
-                                     search_checkpoints)
+from ..checkpoints.checkpoint import CHECKPOINTS
 from ..checkpoints.journal import EVENTS, Journal, SilentJournal
+from ..checkpoints.search import RETRY_WAITS, Found
 from ..checkpoints.snapshot import SNAPSHOTS, recover_saved, take_snapshot
 from ..distributed.ranks import detect as detect_ranks
 from ..drive.confirm import check_confirm, choose_confirmation
 from ..drive.drivefs import UNCONFIRMED, describe_kind, folder_kind
 from ..drive.lease import Lease
-from ..drive.retention import Settle
 from ..drive.mount import resolve_root
+from ..drive.retention import Ladder
 from ..errors import DriveError
 from ..runtime import detect_runtime, in_colab
-from .best import fetch_best, recorded_best
+from .find import RESUME_MODES, fetch_best_of, find_resume, kit_state, set_aside_newer
 from .fresh import archive_checkpoints
 from .registry import TrainClock, open_run, register
 from .run import Run
@@ -73,70 +70,30 @@ def _parse_save_every(save_every) -> tuple[float | None, int | None]:
 def _clean_local(local_dir: Path) -> None:
     # Leftovers of a killed process: snapshots whose upload never finished (the checkpoints
     # themselves are still there), half-fetched and half-staged folders.
-    shutil.rmtree(local_dir / SNAPSHOTS, ignore_errors=True)
-    for entry in local_dir.glob(".fetch-*"):
-        shutil.rmtree(entry, ignore_errors=True)
-    for entry in local_dir.glob(".staging-*"):
-        shutil.rmtree(entry, ignore_errors=True)
+    for entry in storage.list_dir(local_dir):
+        if entry.name == SNAPSHOTS or entry.name.startswith((".fetch-", ".staging-")):
+            try:
+                storage.remove_tree(entry.path)
+            except OSError as exc:
+                log.debug("could not remove %s: %s", entry.path, exc)
 
 
-def _unreadable_error(name: str, drive_dir: Path, unreadable: list[tuple[Path, str]]) -> DriveError:
-    names = "; ".join(f"{path.name}: {reason}" for path, reason in unreadable)
-    disk = " Free space on this VM's disk first (the copy back needs it)." if "disk is full" in names else ""
-    return DriveError(
-        f"checkpoints of {drive_dir} could not be read ({names}), tried {1 + len(RETRY_WAITS)} times each; "
-        f"nothing was started, moved or deleted.{disk} Run this cell again once Drive answers (if the mount "
-        f"itself is stuck: Runtime -> Restart session). To start fresh anyway, which moves every checkpoint to "
-        f"{drive_dir / ARCHIVE}: ck.start_run({name!r}, resume=False)")
-
-
-def _say_unreadable(notices: Notices, journal: Journal, search) -> None:
-    names = ", ".join(path.name for path, _ in search.unreadable)
-    notices.add(f"could not read {names} after {1 + len(RETRY_WAITS)} tries ({search.unreadable[0][1]}); resuming "
-                f"from checkpoint-{search.found.step}, the newest that could be read. Nothing was deleted: "
-                f"{names} stay where they are")
-    for path, reason in search.unreadable:
-        journal.write("warn", what="unreadable_checkpoint", path=str(path), reason=reason)
-
-
-def _set_aside_newer(local: Path, step: int, journal: Journal) -> None:
-    """Local checkpoints newer than the one resumed from could not be verified (a save killed half-way):
-    moved aside on the local disk, never deleted, so that the Trainer does not mistake them for its own."""
-    aside = local / ".set-aside"
-    for newer, path in list_checkpoints(local):
-        if newer > step:
-            aside.mkdir(exist_ok=True)
-            moved = aside / f"{path.name}-{datetime.now(timezone.utc).strftime('%Y%m%d-%H%M%S')}"
-            os.replace(path, moved)
-            journal.write("warn", what="set_aside", path=str(moved), reason="newer than the checkpoint resumed "
-                          "from, and not verifiable")
-
-
-def _kit_state(found: Found) -> dict:
-    if found.manifest.kit_state:
-        return dict(found.manifest.kit_state)
-    try:  # a checkpoint saved before the clock moved into the manifest
-        return json.loads((found.path / KIT_STATE).read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-def _fetch_best(run: Run, found: Found, places, skipped) -> None:
-    """Fetch the Trainer's best checkpoint named in the resumed one, and protect it on Drive."""
-    best = recorded_best(found.path)
-    run.mirror.best_step = best
-    if best is None:
-        return
-    run.resume_best = fetch_best(best, found.path, found.step, places, run.local_dir, skipped)
-    if run.resume_best is None:
-        run.notices.add(f"the Trainer's best checkpoint so far, checkpoint-{best}, is not in {run.drive_dir} any "
-                        f"more, so load_best_model_at_end cannot return to it: the best is tracked again "
-                        f"from the checkpoints of this session")
-        run.journal.write("warn", what="best_missing", step=best)
+def _settings(keep, confirm, resume, settle, assumed_rate, save_every) -> tuple[Ladder, float, tuple]:
+    """Every argument checked before anything is touched: (ladder, pace rate, save interval)."""
+    if not is_count(keep):
+        raise ValueError(f"keep={keep!r}: keep at least 1 checkpoint on Drive")
+    check_confirm(confirm)
+    if resume not in RESUME_MODES or isinstance(resume, int) and not isinstance(resume, bool):
+        raise ValueError(f"resume={resume!r}: use True (the newest checkpoint), False (start fresh, archiving the "
+                         f"old ones) or 'readable' (the newest that can be read now)")
+    if isinstance(settle, bool) or not isinstance(settle, (int, float, str)):
+        raise ValueError(f"settle={settle!r}: give a duration such as \"10min\", or seconds")
+    ladder = Ladder(settle if isinstance(settle, (int, float)) else parse_duration(settle))
+    return ladder, parse_rate(assumed_rate), _parse_save_every(save_every)
 
 
 def start_run(name: str, *, drive: str | os.PathLike | None = None, local_dir: str | os.PathLike | None = None,
-              save_every: str | int | None = "10min", keep: int = 3, resume: bool = True,
+              save_every: str | int | None = "10min", keep: int = 3, resume: bool | str = True,
               takeover: bool = False, gauges: bool = True, heartbeat_s: float = 30.0, quiet: bool = False,
               settle: str | float = "10min", assumed_rate: str | float = "1MB/s", confirm="auto") -> Run:
     """Open (or reopen) a run whose checkpoints survive a runtime reset.
@@ -153,18 +110,22 @@ def start_run(name: str, *, drive: str | os.PathLike | None = None, local_dir: s
             checkpoints more slowly than they are made (the user is told).
         keep: checkpoints in the cloud to keep (older ones are deleted once a newer one is in the
             cloud; at least one always remains).
-        resume: False starts fresh, moving existing checkpoints to `<drive_dir>/archive/`.
+        resume: True resumes from the newest checkpoint that verifies (and stops, saying so, when one
+            the journal confirmed in the cloud cannot be seen or read now); False starts fresh, moving
+            existing checkpoints to `<drive_dir>/archive/`; "readable" resumes from the newest one that
+            can be read now (for a checkpoint that is gone for good).
         takeover: take the run folder over from another live runtime. A lease of another host
             whose heartbeat stops for 1.5 intervals (a disconnected VM) is taken over without it.
         gauges: live GPU/RAM gauges while `run.train` runs (a summary stays, and is written to
             `<drive_dir>/gauges.html`).
         heartbeat_s: lease heartbeat interval (a lease is stale after 4 missed beats).
         quiet: do not print the summary.
-        settle, assumed_rate: on a Drive mount that does not report uploads (durability
-            "unconfirmed"), a checkpoint is taken to have reached the cloud `settle` plus its size at
-            `assumed_rate` after it was written, and none is deleted until a newer one has; never
-            reported as in the cloud. A duration ("10min", or seconds) and a rate ("1MB/s", or
-            bytes per second).
+        settle, assumed_rate: where nothing confirms uploads (durability "unconfirmed"), no guess about
+            the upload rate deletes anything: the kit keeps the run's oldest checkpoint, every one
+            younger than `settle`, and one per doubling of age beyond it (`drive/retention.py`);
+            `assumed_rate` only paces writes (the next checkpoint goes after the previous one's size at
+            that rate). A duration ("10min", or seconds, above zero) and a rate ("1MB/s", or bytes per
+            second). Nothing is ever reported as in the cloud there.
         confirm: how a checkpoint is known to be in the cloud: "auto" (DriveFS's attributes where
             they answer, else unconfirmed), "attributes" (an error where they are missing), "api"
             (every file's size and md5 through Drive's API; asks consent once in Colab; pruned
@@ -185,24 +146,10 @@ def start_run(name: str, *, drive: str | os.PathLike | None = None, local_dir: s
     if not isinstance(name, str) or not _NAME_OK.match(name):
         raise ValueError(f"run name {name!r}: use letters, digits, '.', '_' and '-' (it becomes a "
                          f"folder name), for example ck.start_run('rna-bert')")
-    if not is_count(keep):
-        raise ValueError(f"keep={keep!r}: keep at least 1 checkpoint on Drive")
-    check_confirm(confirm)
-    save_every_s, save_every_steps = _parse_save_every(save_every)
-    settle_rule = Settle(base_s=settle if isinstance(settle, (int, float)) and not isinstance(settle, bool)
-                         else parse_duration(settle), rate_bps=parse_rate(assumed_rate))
-
+    ladder, pace_bps, (save_every_s, save_every_steps) = _settings(keep, confirm, resume, settle, assumed_rate,
+                                                                   save_every)
     runtime = detect_runtime()
-    root, on_drive = resolve_root(drive)
-    drive_dir = root / name
-    try:
-        storage.patiently(lambda: storage.make_dirs(drive_dir / CHECKPOINTS), RETRY_WAITS)
-    except OSError as exc:
-        raise DriveError(f"cannot create the run folder {drive_dir}: {exc}. Check that the folder "
-                         f"is writable (and, on Drive, that it is not full), or pass drive='<another "
-                         f"folder>'") from exc
-    local = Path(local_dir).absolute() if local_dir is not None else _default_local_dir(name)
-    local.mkdir(parents=True, exist_ok=True)
+    drive_dir, local, on_drive = _resolve(name, drive, local_dir)
     ranks = detect_ranks()
     if not ranks.writer:  # no lease, no uploader, no journal: rank 0 is the run's one writer
         return Run(name, drive_dir, local, on_drive=on_drive, save_every_s=save_every_s,
@@ -215,62 +162,30 @@ def start_run(name: str, *, drive: str | os.PathLike | None = None, local_dir: s
         print(f"colab_kit: closing the earlier open run {name!r} of this kernel first")
         old.finish(timeout=120, status="restarted")
 
-    lease = Lease(drive_dir, heartbeat_s=heartbeat_s)
-    countdown = None if quiet else Countdown(every=10.0)
-
-    def watching(holder, left):
-        countdown.show(f"colab_kit: run folder {drive_dir} is held by host {holder.host} (last heartbeat "
-                       f"{format_age(time.time() - holder.heartbeat)} ago); checking that it is still "
-                       f"alive: {left:.0f} s left")
-
-    try:
-        replaced = lease.acquire(takeover=takeover, run_name=name, on_watch=watching if countdown else None)
-    except OSError as exc:
-        raise DriveError(f"cannot write the lease file in {drive_dir}: {exc}. Check that the folder is "
-                         f"writable and not full, then run this cell again") from exc
+    lease, replaced = _claim(name, drive_dir, heartbeat_s, takeover, quiet)
     notices = Notices()
+    journal = None
     try:
         kind, api = choose_confirmation(confirm, drive_dir, folder_kind(drive_dir, on_drive=on_drive),
                                         colab=runtime.colab, say=notices.add)
-    except DriveError:
+        journal = Journal(drive_dir / EVENTS, local_copy=local / EVENTS)
+        recover_saved(local / SNAPSHOTS)  # saves the Trainer finished but the kit never got to upload
+        _clean_local(local)
+        finding = find_resume(name, drive_dir, local, resume=resume, notices=notices, journal=journal)
+    except BaseException:
         lease.release()
         raise
-    journal = Journal(drive_dir / EVENTS, local_copy=local / EVENTS)
-    recover_saved(local / SNAPSHOTS)  # saves the Trainer finished but the kit never got to upload
-    _clean_local(local)
-
-    def skipped(path: Path, reason: str) -> None:
-        notices.add(f"skipping checkpoint {path}: {reason}")
-        journal.write("warn", what="invalid_checkpoint", path=str(path), reason=reason)
-
-    places = [("drive", drive_dir / CHECKPOINTS), ("local", local)]
-    search = search_checkpoints(places, local, on_skip=skipped) if resume else None
-    if search is not None and search.unreadable:
-        if search.found is None:  # never a fresh start on top of checkpoints that could not be read
-            lease.release()
-            raise _unreadable_error(name, drive_dir, search.unreadable)
-        _say_unreadable(notices, journal, search)
-    found = search.found if search is not None else None
-    archived = None if resume else archive_checkpoints(drive_dir, local)
+    found = finding.found
     run = Run(name, drive_dir, local, on_drive=on_drive, save_every_s=save_every_s,
               save_every_steps=save_every_steps, keep=keep, runtime=runtime, lease=lease,
               journal=journal, notices=notices, gauges=gauges, kind=kind, prune_after=_PRUNE_AFTER, ranks=ranks,
-              settle=settle_rule, api=api)
+              ladder=ladder, pace_bps=pace_bps, api=api, known_steps=finding.told.expected)
+    archived = None if resume is not False else archive_checkpoints(run, expected=bool(finding.told.expected))
     if found is not None:
-        _fetch_best(run, found, places, skipped)  # before adopt_existing may prune it
+        fetch_best_of(run, finding)  # before adopt_existing may prune it
     run.mirror.adopt_existing()
     if found is not None:
-        run.resume_from, run.resume_manifest = found.path, found.manifest
-        run.resume_state = _kit_state(found)
-        run.clock = TrainClock(run.resume_state.get("train_seconds", 0.0))
-        _set_aside_newer(local, found.step, journal)
-        if found.origin == "drive":
-            run.mirror.written_step = found.step
-        else:
-            # Found on local disk (a kernel restart on the same VM): its upload may never have
-            # finished, so queue it; the uploader skips it when Drive already has it.
-            run.mirror.submit(take_snapshot(found.path, local / SNAPSHOTS, found.step,
-                                            found.manifest.fingerprint, found.manifest.kit_state))
+        _take(run, found)
 
     journal.write("start", run=name, drive_dir=str(drive_dir), local_dir=str(local),
                   host=lease.info.host, pid=lease.info.pid, colab=runtime.colab,
@@ -294,6 +209,54 @@ def start_run(name: str, *, drive: str | os.PathLike | None = None, local_dir: s
     return run
 
 
+def _resolve(name: str, drive, local_dir) -> tuple[Path, Path, bool]:
+    """(the run folder, made; the local folder, made; whether it is on Colab's Drive mount)."""
+    root, on_drive = resolve_root(drive)
+    drive_dir = root / name
+    try:
+        storage.patiently(lambda: storage.make_dirs(drive_dir / CHECKPOINTS), RETRY_WAITS)
+    except OSError as exc:
+        raise DriveError(f"cannot create the run folder {drive_dir}: {exc}. Check that the folder "
+                         f"is writable (and, on Drive, that it is not full), or pass drive='<another "
+                         f"folder>'") from exc
+    local = Path(local_dir).absolute() if local_dir is not None else _default_local_dir(name)
+    local.mkdir(parents=True, exist_ok=True)
+    return drive_dir, local, on_drive
+
+
+def _claim(name: str, drive_dir: Path, heartbeat_s: float, takeover: bool, quiet: bool):
+    """(the run's lease, held; the lease it replaced, if any)."""
+    lease = Lease(drive_dir, heartbeat_s=heartbeat_s)
+    countdown = None if quiet else Countdown(every=10.0)
+
+    def watching(holder, left):
+        countdown.show(f"colab_kit: run folder {drive_dir} is held by host {holder.host} (last heartbeat "
+                       f"{format_age(time.time() - holder.heartbeat)} ago); checking that it is still "
+                       f"alive: {left:.0f} s left")
+
+    try:
+        replaced = lease.acquire(takeover=takeover, run_name=name, on_watch=watching if countdown else None)
+    except OSError as exc:
+        raise DriveError(f"cannot write the lease file in {drive_dir}: {exc}. Check that the folder is "
+                         f"writable and not full, then run this cell again") from exc
+    return lease, replaced
+
+
+def _take(run: Run, found: Found) -> None:
+    """Make `found` the checkpoint `run.train` resumes from."""
+    run.resume_from, run.resume_manifest = found.path, found.manifest
+    run.resume_state = kit_state(found)
+    run.clock = TrainClock(run.resume_state.get("train_seconds", 0.0))
+    set_aside_newer(run.local_dir, found.step, run.journal)
+    if found.origin == "drive":
+        run.mirror.written_step = found.step
+    else:
+        # Found on local disk (a kernel restart on the same VM): its upload may never have
+        # finished, so queue it; the uploader skips it when Drive already has it.
+        run.mirror.submit(take_snapshot(found.path, run.local_dir / SNAPSHOTS, found.step,
+                                        found.manifest.fingerprint, found.manifest.kit_state))
+
+
 def _summary(run: Run, found: Found | None, replaced, because: str | None, archived: Path | None,
              save_every) -> str:
     lines = [f"colab_kit · run {run.name!r}", *("  " + line for line in run.runtime.describe().splitlines()),
@@ -305,10 +268,12 @@ def _summary(run: Run, found: Found | None, replaced, because: str | None, archi
     every = f"{save_every} of training" if run.save_every_s else (
         f"{run.save_every_steps} steps" if run.save_every_steps else "the Trainer's save_steps")
     lines.append(f"  saves: every {every} and at the end; {run.keep} kept in the cloud")
-    if run.durability == UNCONFIRMED:  # said once: what the kit assumes where it cannot know
-        lines.append(f"  pruning: nothing can confirm an upload here, so no checkpoint is deleted until a newer one "
-                     f"was written {run.mirror.settle.describe()} ago (start_run(settle=, assumed_rate=) to "
-                     f"change it); checkpoints are never called in the cloud")
+    if run.durability == UNCONFIRMED:  # said once: what the kit keeps where it cannot know
+        lines.append(f"  pruning: nothing here confirms an upload, so no rate is guessed: the kit keeps "
+                     f"{run.mirror.ladder.describe()} (start_run(settle=) sets where the doubling begins); "
+                     f"checkpoints are never called in the cloud" + (
+                         ". To confirm uploads and prune by keep instead: ck.start_run(..., confirm='api')"
+                         if run.on_drive else ""))
     if replaced is not None:
         lines.append(f"  took over the run folder from host {replaced.host}, pid {replaced.pid}"
                      + (f": {because}" if because else ""))

@@ -20,14 +20,15 @@ import os
 import random
 import shutil
 import tempfile
-import time
 import uuid
 from pathlib import Path
 
+from .._clock import clock
 from .._notices import Notices
 from ..checkpoints import storage
-from ..checkpoints.checkpoint import CHECKPOINTS, checkpoint_dir, list_checkpoints, model_signature, search_checkpoints
-from ..checkpoints.journal import EVENTS, Journal
+from ..checkpoints.checkpoint import CHECKPOINTS, checkpoint_dir, list_checkpoints, model_signature
+from ..checkpoints.search import search_checkpoints
+from ..checkpoints.journal import EVENTS, Journal, read_history
 from ..checkpoints.snapshot import SNAPSHOTS, take_snapshot
 from ..drive.drivefs import folder_kind
 from ..drive.mirror import Mirror
@@ -184,8 +185,19 @@ class CheckpointStore:
             self._notices.add(f"skipping checkpoint {path}: {reason}")
             self._journal.write("warn", what="invalid_checkpoint", path=str(path), reason=reason)
 
+        try:
+            told = read_history(self.dir / EVENTS, expected=bool(list_checkpoints(self.dir / CHECKPOINTS)))
+        except OSError as exc:
+            raise DriveError(f"the journal of {self.dir} ({EVENTS}) could not be read ({exc}), so which checkpoints "
+                             f"reached the cloud is unknown: nothing was restored or deleted. Call restore_latest() "
+                             f"again once the folder answers") from exc
         search = search_checkpoints([("drive", self.dir / CHECKPOINTS), ("local", self.local_dir)],
-                                    self.local_dir, on_skip=skipped)
+                                    self.local_dir, on_skip=skipped, told=told)
+        if search.blocked:
+            path, reason = search.blocked[0]
+            raise DriveError(f"{path.name} in {self.dir / CHECKPOINTS} cannot be used now ({reason}), so nothing was "
+                             f"restored (an older checkpoint is never taken in its place) and nothing was deleted. "
+                             f"Call restore_latest() again in a minute")
         for path, reason in search.unreadable:
             self._journal.write("warn", what="unreadable_checkpoint", path=str(path), reason=reason)
         if search.unreadable and search.found is None:  # "could not read" is never "nothing to restore"
@@ -232,7 +244,7 @@ class CheckpointStore:
     def wait(self, timeout: float | None = None) -> bool:
         """Block until every saved checkpoint is written to `dir` and in the cloud; False on timeout
         (and always False on a Drive mount that cannot confirm uploads)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = None if timeout is None else clock.monotonic() + timeout
         done = self._mirror.drain(timeout) and self._mirror.tracker.wait(deadline)
         self._notices.show()
         return done

@@ -4,7 +4,8 @@
 import pytest
 from made import make_checkpoint
 
-from colab_kit.checkpoints.checkpoint import fetch_checkpoint, find_latest, list_checkpoints
+from colab_kit.checkpoints.checkpoint import list_checkpoints
+from colab_kit.checkpoints.search import fetch_checkpoint, find_latest
 from colab_kit.checkpoints.manifest import MANIFEST, read_manifest
 from colab_kit.checkpoints.validity import verify_folder
 

@@ -35,9 +35,10 @@ from colab_kit.tasks.demo import tiny_trainer
 
 @pytest.fixture(autouse=True)
 def quick_retries(monkeypatch):
-    from colab_kit.checkpoints import checkpoint
+    from colab_kit.checkpoints import looks, search
 
-    monkeypatch.setattr(checkpoint, "RETRY_WAITS", (0.05, 0.05, 0.05))
+    monkeypatch.setattr(search, "RETRY_WAITS", (0.05, 0.05, 0.05))
+    monkeypatch.setattr(looks, "WAITS", (0.05, 0.05, 0.05))
 
 
 def train_run(drive, local, name="t", steps=30, **kw):
@@ -73,8 +74,13 @@ def test_2_one_failed_fetch_costs_a_retry_and_a_lasting_one_keeps_everything(dri
     assert run.resume_manifest.step == 30  # read again, not skipped
     run.finish(timeout=10)
     drive_faults.fail(errno.EIO, ops=["copy_file", "sha256_file"], match="checkpoint-30")  # lasting
-    run = ck.start_run("t", drive=drive, local_dir=local / "lasting", keep=1, quiet=True, gauges=False)
-    assert run.resume_manifest.step == 20  # the newest that could be read, said out loud
+    # 30 reached the cloud (the journal says so): it is never passed over for an older one because of a fault
+    with pytest.raises(ck.DriveError, match=r"checkpoint-30 .*reached the cloud.*no older checkpoint was taken"):
+        ck.start_run("t", drive=drive, local_dir=local / "lasting", keep=1, quiet=True, gauges=False)
+    # ... unless the user says so: the newest that can be read, said out loud
+    run = ck.start_run("t", drive=drive, local_dir=local / "lasting", keep=1, quiet=True, gauges=False,
+                       resume="readable")
+    assert run.resume_manifest.step == 20
     assert any(e.get("what") == "unreadable_checkpoint" for e in read_events(local / "lasting" / "events.jsonl"))
     run.mirror.drain(10)
     time.sleep(0.3)
@@ -92,6 +98,7 @@ def test_3_checkpoints_that_cannot_be_read_never_mean_a_fresh_start(drive, local
         ck.start_run("t", drive=drive, local_dir=local / "new-vm", quiet=True, gauges=False)
     said = str(raised.value)
     assert "checkpoint-30" in said and "nothing was started, moved or deleted" in said and "resume=False" in said
+    assert "resume='readable'" in said  # it reached the cloud: an older one is taken only when asked for
     assert ("disk is full" in said) == (fault == errno.ENOSPC)
     drive_faults.heal()
     assert read_lease(run_dir).released  # the lease was let go, not kept by the failed start

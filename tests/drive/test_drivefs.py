@@ -18,7 +18,8 @@ from colab_kit.checkpoints.checkpoint import list_checkpoints
 from colab_kit.checkpoints.journal import Journal, read_events
 from colab_kit.checkpoints.snapshot import take_snapshot
 from colab_kit.checkpoints.validity import verify_folder
-from colab_kit.drive.drivefs import DRIVEFS, PLAIN, UNCONFIRMED, TrashFreeDeleter, folder_kind, in_cloud, read_upload
+from colab_kit.drive.deleters import TrashFreeDeleter
+from colab_kit.drive.drivefs import DRIVEFS, PLAIN, UNCONFIRMED, folder_kind, in_cloud, read_upload
 from colab_kit.drive.mirror import Mirror
 
 

@@ -40,7 +40,7 @@ def held_uploads(monkeypatch):
     """Copies to the persistent folder wait (at most 5 s) until the returned event is set."""
     gate = threading.Event()
     copy = storage.copy_file
-    monkeypatch.setattr(storage, "copy_file", lambda s, d: (gate.wait(5), copy(s, d))[1])
+    monkeypatch.setattr(storage, "copy_file", lambda s, d, *a: (gate.wait(5), copy(s, d, *a))[1])
     return gate
 
 
@@ -57,8 +57,8 @@ def test_data_files_first_manifest_last_and_verified(mirror, drive, local, monke
         if drive in Path(path).parents:
             order.append(Path(path).name)
 
-    monkeypatch.setattr(storage, "copy_file", lambda s, d: (record(d), copy(s, d))[1])
-    monkeypatch.setattr(storage, "atomic_write_bytes", lambda p, b: (record(p), write(p, b))[1])
+    monkeypatch.setattr(storage, "copy_file", lambda s, d, *a: (record(d), copy(s, d, *a))[1])
+    monkeypatch.setattr(storage, "atomic_write_bytes", lambda p, b, *a, **k: (record(p), write(p, b, *a, **k))[1])
     source = submit(mirror, local, 10)
     assert mirror.drain(10)
     assert order[-1] == MANIFEST and set(order[:-1]) == {"model.safetensors", "optimizer.pt", "trainer_state.json"}

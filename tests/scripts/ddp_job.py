@@ -62,12 +62,12 @@ def worker(args) -> None:
     if args.fetch_fails_on == rank:  # this rank's machine cannot read the persistent folder
         import errno
 
-        from colab_kit.checkpoints import checkpoint
+        from colab_kit.checkpoints import search
 
         def unreadable(*a, **kw):
             raise OSError(errno.EIO, "injected: the persistent folder cannot be read here")
 
-        checkpoint.fetch_checkpoint = unreadable
+        search.fetch_checkpoint = unreadable
     run = ck.start_run(args.name, drive=args.drive, local_dir=args.scratch, save_every=args.save_every,
                        keep=args.keep, heartbeat_s=1.0)
     # --plain-ddp: the Trainer's own step, without its loss x world-size scaling for token-averaged losses
