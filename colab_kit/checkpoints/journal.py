@@ -33,11 +33,14 @@ class Journal:
         path: the journal file in the persistent folder.
         local_copy: optional second file on local disk that always receives every line
             (useful when Drive is down, and for `python -m colab_kit status` on the VM).
+        guard: asked before lines go to the persistent folder (the run's `Lease.check`): True lets them go;
+            None (unknown) makes them wait; False (the folder is another runtime's) keeps them local for good.
     """
 
-    def __init__(self, path: str | Path, local_copy: str | Path | None = None):
+    def __init__(self, path: str | Path, local_copy: str | Path | None = None, guard=None):
         self.path = Path(path)
         self.local_copy = Path(local_copy) if local_copy else None
+        self.guard = guard
         self.on_pending = None  # wakes the flusher thread after a line is queued (None: `write` flushes)
         self._pending: list[str] = []
         self._tail_suspect = True  # the first flush mends a line torn by a killed process
@@ -103,6 +106,12 @@ class Journal:
         if not self._flushing.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
             return False
         try:
+            if self.pending and self.guard is not None:
+                held = self.guard()
+                if held is False:
+                    self.stop_persistent("the run folder is another runtime's now")
+                if held is not True:
+                    return False
             while True:
                 with self._lock:
                     if not self._pending:
@@ -156,6 +165,7 @@ class History:
 
     synced: set[int] = field(default_factory=set)
     confirmed: set[int] = field(default_factory=set)
+    started: bool = False  # a runtime opened the run before (an empty listing is then looked at again)
 
     @property
     def expected(self) -> set[int]:
@@ -174,7 +184,9 @@ def history(events: list[dict]) -> History:
         kind, step = event.get("event"), event.get("step")
         if kind == "archive":
             told = History()
-        elif kind == "sync" and isinstance(step, int):
+        elif kind == "start":
+            told.started = True
+        elif kind in ("sync", "resume") and isinstance(step, int):  # written; or found there and resumed from
             told.synced.add(step)
         elif kind == "cloud" and isinstance(step, int):
             told.confirmed.add(step)

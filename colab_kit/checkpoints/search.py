@@ -11,7 +11,9 @@ and says which ones were skipped and why. Doubt costs time, never an older check
   one of them is looked at again, spaced in time, and so is a checkpoint whose manifest or files are
   missing at one look.
 - A checkpoint the journal confirmed in the cloud is never passed over because it cannot be seen or
-  read now: the search stops there (`Search.blocked`) instead of resuming from an older one.
+  read now, nor one it says was written that cannot be read: the search stops there (`Search.blocked`)
+  instead of resuming from an older one. (One written, never confirmed, and missing at every look is an
+  upload that died with its runtime: passed over, and said.)
 """
 
 from __future__ import annotations
@@ -57,7 +59,8 @@ class Search:
         skipped: (folder, reason) of those read and found INVALID or UNFINISHED: never resumed from.
         unreadable: (folder, reason) of those that could not be read after every try: nothing is known.
         blocked: (folder, reason) of a checkpoint the journal confirmed in the cloud that cannot be seen
-            or read now: the search stopped there, and nothing older was taken (`found` is None).
+            or read now, or one it says was written that cannot be read: the search stopped there, and
+            nothing older was taken (`found` is None).
     """
 
     found: Found | None = None
@@ -105,21 +108,26 @@ def fetch_checkpoint(source: Path, manifest: Manifest, local_root: Path) -> Path
 def _listing(origin: str, root: Path, told: History, waits) -> tuple[dict[int, Path] | None, str]:
     """The checkpoints under `root` ({step: folder}, or None and why when it cannot be listed). On Drive,
     a listing that lacks a checkpoint the journal expects is taken again after each of `waits`, and
-    every folder seen in any of them counts."""
+    every folder seen in any of them counts; one the journal confirmed in the cloud that no listing shows
+    is a candidate all the same (looked at like the others, it stops the search if it cannot be seen)."""
     found: dict[int, Path] = {}
-    problem, listed_once = "", False
-    for wait in (0.0, *(waits if origin == "drive" else ())):
+    problem, listings = "", 0
+    needed = 2 if origin == "drive" else 1  # on Drive two at once: a listing short an entry is caught by the next
+    for wait in (0.0,) * needed + (tuple(waits) if origin == "drive" else ()):
         clock.sleep(wait)
         try:
             found.update(list_checkpoints(root, missing_ok=origin != "drive" or not told.expected))
-            listed_once = True
+            listings += 1
         except FileNotFoundError:
             problem = "the folder is missing"
         except OSError as exc:
             problem = f"the folder could not be listed ({exc.strerror or exc})"
-        if listed_once and not (told.expected - set(found)):
+        if listings >= needed and not (told.expected - set(found)) and (found or not told.started):
             break
-    if not listed_once and not (problem == "the folder is missing" and not told.expected):
+    if origin == "drive":
+        for unseen in told.confirmed - set(found):
+            found[unseen] = checkpoint_dir(root, unseen)
+    if not listings and not (problem == "the folder is missing" and not told.expected):
         return None, problem
     return found, ""
 
@@ -149,10 +157,7 @@ def search_checkpoints(places: Iterable[tuple[str, Path]], local_root: Path, *, 
         listed, problem = _listing(origin, Path(root), told, waits)
         if listed is None:
             result.unreadable.append((Path(root), problem))
-            listed = {}
-        if origin == "drive":  # confirmed in the cloud, yet in no listing: looked at like the others
-            for unseen in told.confirmed - set(listed):
-                listed[unseen] = checkpoint_dir(root, unseen)
+            listed = {s: checkpoint_dir(root, s) for s in told.confirmed} if origin == "drive" else {}
         for found_step, path in listed.items():
             if step is None or found_step == step:
                 candidates.append((found_step, origin == "local", origin, path))
@@ -164,9 +169,11 @@ def search_checkpoints(places: Iterable[tuple[str, Path]], local_root: Path, *, 
         if found is not None:
             result.found = found
             return result
-        if confirmed and (verdict.unknown or verdict.state == validity.UNFINISHED):
-            why = ("it is not there at any look" if verdict.absent or verdict.state == validity.UNFINISHED
-                   else verdict.reason)
+        if confirmed and verdict.absent or expected and verdict.unknown and not verdict.absent or \
+                confirmed and verdict.state == validity.UNFINISHED:
+            # In the cloud (or written there) as the journal says, and not seen or not read now: never passed over
+            why = "it is not there at any look" if verdict.absent or verdict.state == validity.UNFINISHED \
+                else verdict.reason
             result.blocked.append((path, why))
             return result
         if verdict.unknown and not verdict.absent:
@@ -184,14 +191,25 @@ def search_checkpoints(places: Iterable[tuple[str, Path]], local_root: Path, *, 
 
 def _look(step: int, origin: str, path: Path, local_root: Path, waits, expected: bool):
     """(Found, VALID), or (None, the last verdict) after looking again while it is unknown or something is
-    missing (a folder without a manifest that the journal does not expect needs no second look)."""
-    for wait in (0.0, *waits):
-        clock.sleep(wait)
+    missing (a folder without a manifest that the journal does not expect needs no second look). Each wait
+    of `waits` is spent on read errors, and again on absences: a file back after a moment away gets its
+    full share of tries for a read that fails then."""
+    errors = absences = 0
+    while True:
         found, verdict = _try_one(step, origin, path, local_root)
         if found is not None or not (verdict.unknown or verdict.absent):
             break
         if verdict.state == validity.UNFINISHED and not expected:
             break  # never written whole, as the journal says
+        if verdict.absent:
+            if absences >= len(waits):
+                break
+            wait, absences = waits[absences], absences + 1
+        else:
+            if errors >= len(waits):
+                break
+            wait, errors = waits[errors], errors + 1
+        clock.sleep(wait)
     return found, verdict
 
 

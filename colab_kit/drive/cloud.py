@@ -92,9 +92,11 @@ class CloudTracker:
 
     def adopt(self, root: Path) -> None:
         """Learn the cloud state of the checkpoints already under `root` (a restart): those in the
-        cloud are known (no `cloud` event: not news), the others are followed. What was verified
-        (the checkpoint resumed from) is claimed at once; the others are read before they are
-        counted (`Pruner.prune`). Unfinished, invalid and unreadable folders are not followed."""
+        cloud are known, the others are followed. What was verified (the checkpoint resumed from) is
+        claimed at once, the others once they are read (`mark_verified`, from `Pruner.prune`): a `cloud`
+        event with `adopted`, so that the journal knows what this runtime found in the cloud even when the
+        runtime that uploaded it died before it could say so. Unfinished, invalid and unreadable folders
+        are not followed."""
         try:
             listed = list_checkpoints(root)
         except OSError as exc:
@@ -114,13 +116,19 @@ class CloudTracker:
                 log.debug("not adopting %s yet: %s", path, exc)
                 continue
             self.add(upload, confirmed=done)
+            if done and upload.verified:
+                self._journal_confirmed([upload], adopted=True)
 
     def mark_verified(self, step: int) -> None:
         """Every byte of checkpoint `step` matches its manifest: it may now be claimed."""
+        claimed = []
         with self._lock:
             for upload in self._items:
-                if upload.step == step:
+                if upload.step == step and not upload.verified:
                     upload.verified = True
+                    if upload.confirmed is not None:
+                        claimed.append(upload)
+        self._journal_confirmed(claimed, adopted=True)
 
     def forget(self, label: str) -> None:
         with self._lock:
@@ -210,10 +218,12 @@ class CloudTracker:
             self._samples = (self._samples + [upload.bytes / (now - began)])[-_RATE_SAMPLES:]
         self._last_confirmed = now
 
-    def _journal_confirmed(self, uploads: list[Upload]) -> None:
+    def _journal_confirmed(self, uploads: list[Upload], adopted: bool = False) -> None:
         for upload in uploads:
             if self.journal is not None:
                 fields = {"step": upload.step} if upload.step is not None else {"what": "final"}
+                if adopted:  # found in the cloud at a start, uploaded by an earlier runtime
+                    fields["adopted"] = True
                 rate = self.rate_bps
                 if self.api is not None:  # proof from Drive's servers, and what it cost
                     fields.update(via="api", api_calls=upload.api_calls)

@@ -82,6 +82,8 @@ def read_upload(path: str | os.PathLike) -> FileUpload:
     uncommitted = _attr(path, UNCOMMITTED)
     if uncommitted is None:  # no DriveFS attributes here: skip the other two reads
         return FileUpload(None, None, None)
+    if uncommitted != b"0":  # not in the cloud whatever the others say: two reads spared on every poll
+        return FileUpload(uncommitted, None, None)
     return FileUpload(uncommitted, _attr(path, ITEM_ID), _attr(path, MD5))
 
 
@@ -178,15 +180,16 @@ def in_cloud(folder: Path, files: dict[str, str | None], kind: str) -> tuple[boo
     Raises:
         OSError: a file is missing or unreadable (the caller decides what that means).
     """
-    pending = 0
+    pending, every = 0, kind != UNCONFIRMED
     for name, md5 in files.items():
         path = folder / name
         if kind == PLAIN:
             storage.stat(path)
             continue
         if kind == UNCONFIRMED or not read_upload(path).in_cloud(md5):
+            every = False  # counted apart from the bytes: an emptied file has none to count
             pending += storage.stat(path).st_size
-    return pending == 0 and kind != UNCONFIRMED, pending
+    return every, pending
 
 
 def check_space(folder: Path, needed: int, pending: int, what: str) -> None:

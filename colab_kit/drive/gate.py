@@ -30,7 +30,7 @@ from typing import Callable, Iterable
 from ..checkpoints import storage, validity
 from ..checkpoints.manifest import MANIFEST, Manifest, parse_manifest
 from .deleters import ApiDeleter, TrashFreeDeleter
-from .drivefs import API, DRIVEFS, PLAIN, UNCONFIRMED, in_cloud
+from .drivefs import API, DRIVEFS, PLAIN, UNCONFIRMED, in_cloud, read_upload
 from .uploads import cloud_files
 
 __all__ = ["Chosen", "choose", "act", "CheckpointGate"]
@@ -102,9 +102,9 @@ class CheckpointGate:
     """
 
     def __init__(self, root: Path, *, kind: str, journal, lease_check: Callable[[], bool | None] | None = None,
-                 api=None):
+                 api=None, lease=None):
         self.root, self.kind, self.journal, self.api = Path(root), kind, journal, api
-        self.lease_check = lease_check
+        self.lease_check, self.lease = lease_check, lease
         self.deleter = ApiDeleter(api) if kind == API else TrashFreeDeleter(kind)
         self._told: dict[str, str] = {}  # target -> the reason last journaled as kept (said once)
 
@@ -113,7 +113,10 @@ class CheckpointGate:
         return self.deleter.pending
 
     def poll(self) -> list[Path]:
-        """Finish what was allowed and started (the Trash-free unlink after the truncation reached the cloud)."""
+        """Finish what was allowed and started (the Trash-free unlink after the truncation reached the cloud),
+        while the lease is still this runtime's: once it is not, the new owner's rules finish it."""
+        if self.deleter.pending and self.lease_check is not None and self.lease_check() is not True:
+            return []
         return self.deleter.poll()
 
     # -- operations ----------------------------------------------------------------------------------
@@ -155,8 +158,28 @@ class CheckpointGate:
         if self.lease_check is None:
             return None
         held = self.lease_check()
-        return None if held is True else ("the lease is another runtime's now" if held is False
-                                          else "the lease could not be confirmed now")
+        if held is not True:
+            return "the lease is another runtime's now" if held is False else "the lease could not be confirmed now"
+        if self.lease is None:
+            return None
+        quiet = self.lease.quiet_left()
+        if quiet > 0:
+            return (f"this runtime took the run over a moment ago; nothing is deleted for {quiet:.0f} s more, until "
+                    f"the runtime it replaced has had a heartbeat to see that")
+        if self.kind not in (DRIVEFS, API):
+            return None
+        path = self.lease.path
+        try:  # the lease as this runtime reads it is the one in the cloud: every other runtime can see it
+            raw = storage.read_bytes(path)
+            md5 = hashlib.md5(raw).hexdigest()
+            if self.kind == API:
+                there = [item.get("md5Checksum") for item in self.api.children(path.parent).get(path.name, [])]
+                up = there == [md5]
+            else:
+                up = read_upload(path).in_cloud(md5)
+        except Exception as exc:  # noqa: BLE001 - a failed read is unknown (OSError, ApiUnavailable, ...)
+            return f"whether the lease is in the cloud could not be read now ({exc})"
+        return None if up else "this runtime's lease is not in the cloud yet (others cannot see it)"
 
     @staticmethod
     def _same(chosen: Chosen) -> str | None:
@@ -177,8 +200,9 @@ class CheckpointGate:
             return "no checkpoint vouches for it"
         if witness.path == target.path:
             return "a checkpoint cannot vouch for itself"
-        if self._same(witness) is not None:
-            return f"{witness.path.name}: {self._same(witness)}"
+        moved = self._same(witness)
+        if moved is not None:
+            return moved
         verdict = validity.check(witness.path, step=witness.step)
         if not verdict.valid:
             return f"{witness.path.name} does not verify now ({verdict})"

@@ -27,7 +27,7 @@ import os
 import socket
 import threading
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -141,6 +141,8 @@ class Lease:
                               heartbeat_s=self.heartbeat_s)
         self.lost = False
         self.took_over_because: str | None = None
+        self.acquired_at: float | None = None  # clock.monotonic() when acquired
+        self.quiet_s = 0.0  # after a takeover: how long the runtime it replaced may not have seen it yet
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -187,7 +189,18 @@ class Lease:
                                  f"ck.start_run({run_name!r}) again in a minute")
         # A lease released at a clean finish was not taken over from anyone.
         taken = previous is not None and previous.session != self.info.session and not previous.released
+        self.acquired_at = clock.monotonic()
+        # Drive has no compare-and-swap: the runtime taken over (if it lives) learns of it at its next
+        # heartbeat, and a claim of its still on its way to the cloud may land after this one.
+        self.quiet_s = WATCH_BEATS * previous.heartbeat_s if taken else 0.0
         return previous if taken else None
+
+    def quiet_left(self) -> float:
+        """Seconds until the runtime this one took the run over from has had a heartbeat to see that (0 when
+        nothing was taken over). Nothing is deleted before (`gate.py`): its last claim may still land."""
+        if self.acquired_at is None:
+            return 0.0
+        return max(0.0, self.quiet_s - (clock.monotonic() - self.acquired_at))
 
     def _run_folder_used(self) -> bool:
         """Does the run folder hold anything besides the lease (so that a lease would be expected)?
@@ -242,7 +255,8 @@ class Lease:
             left = deadline - clock.monotonic()
             if on_watch is not None and left > 0:
                 on_watch(previous, left)
-            clock.sleep(min(1.0, max(left, 0.2), previous.heartbeat_s / 10))
+            # A tenth of its heartbeat between reads (0.2 to 5 s): a beat is seen within that.
+            clock.sleep(min(max(left, 0.2), max(0.2, min(5.0, previous.heartbeat_s / 10))))
             try:
                 current = read_lease(self.path)
             except (OSError, ValueError):
@@ -279,7 +293,7 @@ class Lease:
 
     def _write(self) -> None:
         self.info.heartbeat = clock.time()
-        storage.atomic_write_json(self.path, asdict(self.info))
+        storage.atomic_write_json(self.path, dict(vars(self.info)))  # a flat dataclass: asdict's copying is not needed
 
     def beat(self) -> bool | None:
         """Renew the heartbeat, only while the lease is this runtime's: True (renewed), False (another

@@ -91,7 +91,7 @@ class Mirror:
         self.tracker = CloudTracker(kind, journal, api=api)
         rule_kind = PLAIN if prune_after == "written" else kind  # the old rule: written is safe everywhere
         self.gate = CheckpointGate(self.run_dir / CHECKPOINTS, kind=rule_kind, journal=journal,
-                                   lease_check=self._lease_ok if lease is not None else None, api=api)
+                                   lease_check=self._lease_ok if lease is not None else None, api=api, lease=lease)
         self.pruner = Pruner(self.run_dir / CHECKPOINTS, kind=rule_kind, keep=self.keep, gate=self.gate, ladder=ladder)
         self.deferred = DeferredWrites()
         self.kept = KeptCopies(self.tracker, notices, journal)
@@ -330,7 +330,8 @@ class Mirror:
                 self._cond.notify_all()
         now = clock.monotonic()
         if now >= self._chores_at and (self.journal.pending or self.deferred.pending):
-            done = self.journal.flush(timeout=0) & self.deferred.flush(self._lease_ok)
+            held = self._lease_ok()  # once the folder is another runtime's, not one line more goes there
+            done = held is True and self.journal.flush(timeout=0) & self.deferred.flush(lambda: held)
             self._chores_at = now if done else now + _CHORES_RETRY_S
             with self._cond:
                 self._cond.notify_all()  # drain() may be waiting for them

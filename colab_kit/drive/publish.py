@@ -91,12 +91,12 @@ class Publisher:
         """
         started = clock.monotonic()
         manifest = snapshot_manifest(snap)
-        held = lease_ok()
+        target = checkpoint_dir(self.run_dir / CHECKPOINTS, snap.step)
+        state = self._state(target, manifest)  # reads only (and may wait: looks spaced in time)
+        held = lease_ok()  # after any wait, right before the first write
         if held is not True:
             raise OSError(errno.EAGAIN, "the run's lease could not be confirmed, so nothing is written now"
                           if held is None else "another runtime holds the run folder now")
-        target = checkpoint_dir(self.run_dir / CHECKPOINTS, snap.step)
-        state = self._state(target, manifest)
         if state == "same":
             log.info("checkpoint-%d is already on %s", snap.step, self.run_dir)
         elif state == "repair":
@@ -166,7 +166,7 @@ class Publisher:
         self.journal.write("sync", step=snap.step, seconds=round(seconds, 3), bytes=manifest.total_bytes)
         log.info("checkpoint-%d written to %s (%s in %.1f s)", snap.step, self.run_dir,
                  format_bytes(manifest.total_bytes), seconds)
-        self.journal.flush(timeout=0)
+        self.journal.flush(timeout=0)  # the lease was confirmed for this write, a moment ago
         self.in_flight = upload_for(target, manifest, f"checkpoint-{snap.step}", saved=snap.taken, started=started,
                                     source=snap.path)
         return self.in_flight

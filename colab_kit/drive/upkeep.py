@@ -7,6 +7,7 @@ Each piece is tried when due and, on Drive trouble, again later; none of them ra
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import threading
@@ -139,10 +140,8 @@ class KeptCopies:
                                  f"any more")
                 self.tracker.forget(upload.label)
                 continue
-            if lease_ok() is not True:
-                return
             try:
-                self._upload_again(upload, source)
+                self._upload_again(upload, source, lease_ok)
             except OSError as exc:
                 log.info("uploading %s again failed: %s", upload.label, exc)
                 continue
@@ -152,11 +151,14 @@ class KeptCopies:
             self.tracker.add(_again(upload))
 
     @staticmethod
-    def _upload_again(upload: Upload, source: Path) -> None:
+    def _upload_again(upload: Upload, source: Path, lease_ok) -> None:
         def manifest_there():
             return storage.exists(upload.folder / MANIFEST)
 
-        if looks.again(manifest_there, lambda there: not there):
+        there = looks.again(manifest_there, lambda there: not there)
+        if lease_ok() is not True:  # after the looks, right before the first write
+            raise OSError(errno.EAGAIN, "the run's lease is not confirmed as this runtime's now")
+        if there:
             repair_folder(source, upload.folder, upload.manifest)
         else:  # the whole folder is gone at every look: written anew, manifest last
             publish_folder(source, upload.folder, upload.manifest)

@@ -79,7 +79,7 @@ def _blocked_error(name: str, drive_dir: Path, blocked: list[tuple[Path, str]]) 
     path, reason = blocked[0]
     disk = " Free space on this VM's disk first (the copy back needs it)." if "disk is full" in reason else ""
     return DriveError(
-        f"{path.name} of {drive_dir} reached the cloud (events.jsonl says so) but cannot be used now: {reason}; "
+        f"{path.name} of {drive_dir} was written there (events.jsonl says so) but cannot be used now: {reason}; "
         f"looked at {1 + len(RETRY_WAITS)} times over {sum(RETRY_WAITS):.0f} s. Drive hides files for a while "
         f"sometimes, so nothing was started, moved or deleted, and no older checkpoint was taken instead.{disk} "
         f"Run this cell again in a minute. If {path.name} is gone for good (deleted at drive.google.com), resume "

@@ -17,6 +17,7 @@ import time
 import weakref
 from pathlib import Path
 
+from .._clock import clock
 from .._notices import Countdown, Notices
 from .._units import format_age, format_bytes, is_count, parse_duration, parse_rate
 from ..checkpoints import storage
@@ -163,12 +164,38 @@ def start_run(name: str, *, drive: str | os.PathLike | None = None, local_dir: s
         old.finish(timeout=120, status="restarted")
 
     lease, replaced = _claim(name, drive_dir, heartbeat_s, takeover, quiet)
+    run, found, archived = open_claimed(name, drive_dir, local, lease=lease, runtime=runtime, on_drive=on_drive,
+                                        confirm=confirm, resume=resume, keep=keep, save_every_s=save_every_s,
+                                        save_every_steps=save_every_steps, gauges=gauges, ladder=ladder,
+                                        pace_bps=pace_bps, ranks=ranks, replaced=replaced, save_every=save_every)
+    lease.start_heartbeat(run._lease_lost)
+    register(run)
+    atexit.register(_finish_at_exit, weakref.ref(run))
+
+    if not quiet:
+        print(_summary(run, found, replaced, lease.took_over_because, archived, save_every))
+    run.notices.show()
+    return run
+
+
+def open_claimed(name: str, drive_dir: Path, local: Path, *, lease: Lease, runtime, on_drive: bool, confirm,
+                 resume, keep: int, save_every_s, save_every_steps, gauges: bool, ladder: Ladder, pace_bps: float,
+                 ranks, replaced=None, save_every=None, threaded: bool = True) -> tuple[Run, Found | None, Path | None]:
+    """The run folder, its lease held: how uploads are confirmed, what to resume from, the uploader.
+    (`start_run`'s core; the deterministic simulator calls it too, with `threaded=False`: then nothing
+    runs in the background, and the simulator calls the workers' step functions.)
+
+    Returns:
+        (the Run, the checkpoint it resumes from or None, where `resume=False` archived the old ones).
+    Raises:
+        DriveError: the checkpoints or the journal could not be read, or one the journal confirmed in the
+            cloud cannot be used now (the lease is released: nothing was started).
+    """
     notices = Notices()
-    journal = None
     try:
         kind, api = choose_confirmation(confirm, drive_dir, folder_kind(drive_dir, on_drive=on_drive),
                                         colab=runtime.colab, say=notices.add)
-        journal = Journal(drive_dir / EVENTS, local_copy=local / EVENTS)
+        journal = Journal(drive_dir / EVENTS, local_copy=local / EVENTS, guard=lease.check)
         recover_saved(local / SNAPSHOTS)  # saves the Trainer finished but the kit never got to upload
         _clean_local(local)
         finding = find_resume(name, drive_dir, local, resume=resume, notices=notices, journal=journal)
@@ -179,34 +206,30 @@ def start_run(name: str, *, drive: str | os.PathLike | None = None, local_dir: s
     run = Run(name, drive_dir, local, on_drive=on_drive, save_every_s=save_every_s,
               save_every_steps=save_every_steps, keep=keep, runtime=runtime, lease=lease,
               journal=journal, notices=notices, gauges=gauges, kind=kind, prune_after=_PRUNE_AFTER, ranks=ranks,
-              ladder=ladder, pace_bps=pace_bps, api=api, known_steps=finding.told.expected)
+              ladder=ladder, pace_bps=pace_bps, api=api, known_steps=finding.told.expected, threaded=threaded)
     archived = None if resume is not False else archive_checkpoints(run, expected=bool(finding.told.expected))
     if found is not None:
         fetch_best_of(run, finding)  # before adopt_existing may prune it
     run.mirror.adopt_existing()
     if found is not None:
         _take(run, found)
-
     journal.write("start", run=name, drive_dir=str(drive_dir), local_dir=str(local),
                   host=lease.info.host, pid=lease.info.pid, colab=runtime.colab,
                   gpu=runtime.gpu.name if runtime.gpu else None, ram_limit=runtime.ram_limit_bytes,
-                  save_every=save_every, keep=keep, durability=kind, world_size=ranks.world_size,
+                  save_every=save_every, keep=keep, durability=run.durability, world_size=ranks.world_size,
                   took_over=replaced.host if replaced else None, took_over_because=lease.took_over_because)
-    if archived is not None:
-        journal.write("archive", moved_to=str(archived))
-    if found is not None:
-        journal.write("resume", step=found.step, origin=found.origin, source=str(found.source),
-                      checkpoint_age_s=round(time.time() - found.manifest.created, 1),
-                      train_seconds=round(run.clock.seconds, 1), best=run.mirror.best_step,
-                      best_fetched=run.resume_best is not None)
-    lease.start_heartbeat(run._lease_lost)
-    register(run)
-    atexit.register(_finish_at_exit, weakref.ref(run))
+    _journal_found(run, found, archived)
+    return run, found, archived
 
-    if not quiet:
-        print(_summary(run, found, replaced, lease.took_over_because, archived, save_every))
-    notices.show()
-    return run
+
+def _journal_found(run: Run, found: Found | None, archived: Path | None) -> None:
+    if archived is not None:
+        run.journal.write("archive", moved_to=str(archived))
+    if found is not None:
+        run.journal.write("resume", step=found.step, origin=found.origin, source=str(found.source),
+                          checkpoint_age_s=round(clock.time() - found.manifest.created, 1),
+                          train_seconds=round(run.clock.seconds, 1), best=run.mirror.best_step,
+                          best_fetched=run.resume_best is not None)
 
 
 def _resolve(name: str, drive, local_dir) -> tuple[Path, Path, bool]:

@@ -75,7 +75,7 @@ def test_2_one_failed_fetch_costs_a_retry_and_a_lasting_one_keeps_everything(dri
     run.finish(timeout=10)
     drive_faults.fail(errno.EIO, ops=["copy_file", "sha256_file"], match="checkpoint-30")  # lasting
     # 30 reached the cloud (the journal says so): it is never passed over for an older one because of a fault
-    with pytest.raises(ck.DriveError, match=r"checkpoint-30 .*reached the cloud.*no older checkpoint was taken"):
+    with pytest.raises(ck.DriveError, match=r"checkpoint-30 .*was written there.*no older checkpoint was taken"):
         ck.start_run("t", drive=drive, local_dir=local / "lasting", keep=1, quiet=True, gauges=False)
     # ... unless the user says so: the newest that can be read, said out loud
     run = ck.start_run("t", drive=drive, local_dir=local / "lasting", keep=1, quiet=True, gauges=False,

@@ -1,0 +1,155 @@
+"""Run the kit's durability core over many seeded, faulty Drives, and shrink what fails.
+
+    python tests/sim/simulate.py --seeds 10000 [--first 0] [--long-share 0.1]
+    python tests/sim/simulate.py --seed 1234 --trace          # one schedule, its trace
+
+Each seed makes one schedule (`schedule.py`) and runs it to its end (`world.py`), checking the
+invariants (`invariants.py`) after every event. A failing seed is printed with its schedule, shrunk
+(events and faults taken away while it still fails) and the last lines of its trace.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import logging
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+for extra in (HERE, HERE.parent / "scripts"):
+    if str(extra) not in sys.path:
+        sys.path.insert(0, str(extra))
+
+from old_rules import OLD_RULES, patched  # noqa: E402
+from schedule import Schedule, make_schedule  # noqa: E402
+from world import World  # noqa: E402
+
+__all__ = ["Outcome", "run_schedule", "run_seeds", "shrink", "report"]
+
+
+@dataclasses.dataclass
+class Outcome:
+    schedule: Schedule
+    violations: list
+    trace: list
+    seconds: float
+    starts: int = 0
+    resumes: int = 0
+    refusals: int = 0
+
+
+def run_schedule(schedule: Schedule) -> Outcome:
+    logging.disable(logging.CRITICAL)  # the kit's log lines are the trace's business here
+    try:
+        started = time.perf_counter()
+        world = World(schedule)
+        violations = world.run()
+        return Outcome(schedule, violations, list(world.trace), time.perf_counter() - started,
+                       world.starts, world.resumes, world.refusals)
+    finally:
+        logging.disable(logging.NOTSET)
+
+
+def run_seeds(seeds, long_share: float = 0.02, stop_at_first: bool = False) -> tuple[list[Outcome], dict]:
+    """Every seed's outcome that failed, and totals."""
+    failed, totals = [], {"schedules": 0, "seconds": 0.0, "virtual_hours": 0.0, "starts": 0, "resumes": 0,
+                          "refusals": 0, "long": 0}
+    for seed in seeds:
+        outcome = run_schedule(make_schedule(seed, long_share))
+        totals["schedules"] += 1
+        totals["seconds"] += outcome.seconds
+        totals["virtual_hours"] += outcome.schedule.duration / 3600
+        totals["long"] += outcome.schedule.duration >= 12 * 3600
+        for key in ("starts", "resumes", "refusals"):
+            totals[key] += getattr(outcome, key)
+        if outcome.violations:
+            failed.append(outcome)
+            if stop_at_first:
+                break
+    return failed, totals
+
+
+def shrink(schedule: Schedule, budget: int = 60) -> Schedule:
+    """A smaller schedule that still fails: events and faults taken away one at a time."""
+    best = schedule
+    tries = 0
+    changed = True
+    while changed and tries < budget:
+        changed = False
+        for name in ("takeovers", "restarts", "disconnects", "outages", "api_outages", "hides"):
+            items = getattr(best, name)
+            for i in range(len(items)):
+                candidate = copy.deepcopy(best)
+                setattr(candidate, name, items[:i] + items[i + 1:])
+                tries += 1
+                if run_schedule(candidate).violations:
+                    best, changed = candidate, True
+                    break
+        for rate in ("eio", "short", "torn", "stall", "write_eio"):
+            if getattr(best.faults, rate):
+                candidate = copy.deepcopy(best)
+                setattr(candidate.faults, rate, 0.0)
+                tries += 1
+                if run_schedule(candidate).violations:
+                    best, changed = candidate, True
+        if best.api_fail:
+            candidate = copy.deepcopy(best)
+            candidate.api_fail = 0.0
+            tries += 1
+            if run_schedule(candidate).violations:
+                best, changed = candidate, True
+    return best
+
+
+def report(outcome: Outcome, shrunk: bool = True, lines: int = 30) -> str:
+    schedule = outcome.schedule
+    text = [f"VIOLATION, {schedule.describe()}", *("  " + v for v in outcome.violations[:3])]
+    trace = outcome.trace
+    if shrunk:
+        small = shrink(schedule)
+        again = run_schedule(small)
+        if again.violations:
+            text.append("shrunk to: " + small.describe())
+            trace = again.trace
+    text += ["trace (virtual seconds, the last lines):", *("  " + line for line in trace[-lines:])]
+    return "\n".join(text)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, default=1000)
+    parser.add_argument("--first", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=None, help="run this one seed and print its trace")
+    parser.add_argument("--long-share", type=float, default=0.02)
+    parser.add_argument("--trace", action="store_true")
+    parser.add_argument("--old-rule", choices=sorted(OLD_RULES), default=None,
+                        help="put back one of f65fb4d's rules (old_rules.py) and find the first seed it fails")
+    args = parser.parse_args()
+    if args.old_rule is not None:
+        with patched(args.old_rule):
+            failed, totals = run_seeds(range(args.first, args.first + args.seeds), args.long_share, stop_at_first=True)
+            print(f"old rule {args.old_rule}: {totals['schedules']} schedules to the first violation"
+                  if failed else f"old rule {args.old_rule}: no violation in {totals['schedules']} schedules")
+            for outcome in failed:
+                print(report(outcome))
+        return 0 if failed else 1
+    if args.seed is not None:
+        outcome = run_schedule(make_schedule(args.seed, args.long_share))
+        print(outcome.schedule.describe())
+        print("\n".join(outcome.trace if args.trace else outcome.trace[-30:]))
+        print(f"{len(outcome.violations)} violation(s) in {outcome.seconds:.3f} s: {outcome.violations[:3]}")
+        return 1 if outcome.violations else 0
+    failed, totals = run_seeds(range(args.first, args.first + args.seeds), args.long_share)
+    print(f"{totals['schedules']} schedules ({totals['long']} of 12 h; {totals['virtual_hours']:.0f} virtual hours, "
+          f"{totals['starts']} starts, {totals['resumes']} resumes, {totals['refusals']} refusals) in "
+          f"{totals['seconds']:.1f} s: {len(failed)} with a violation")
+    for outcome in failed[:3]:
+        print(report(outcome))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
