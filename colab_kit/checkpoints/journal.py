@@ -98,15 +98,15 @@ class Journal:
                 log.debug("journal flush to %s is slow; %d line(s) wait", self.path, self.pending)
         return record
 
-    def flush(self, timeout: float | None = None) -> bool:
+    def flush(self, timeout: float | None = None, held: bool | None = None) -> bool:
         """Append the waiting lines to the persistent folder, in order; True when none are left.
 
         Called by the mirror's thread (and by `finish`); `timeout` bounds the wait for another flush
-        under way (False when it does not end in time)."""
+        under way (False when it does not end in time). `held=True`: the caller has just asked the guard."""
         if not self._flushing.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
             return False
         try:
-            if self.pending and self.guard is not None:
+            if self.pending and self.guard is not None and held is not True:
                 held = self.guard()
                 if held is False:
                     self.stop_persistent("the run folder is another runtime's now")
@@ -158,7 +158,7 @@ class History:
     """What a run's journal says of its checkpoints since its last fresh start (an `archive` event).
 
     Attributes:
-        synced: steps written to the persistent folder (`sync`), not pruned since.
+        synced: steps written to the persistent folder (`sync`; or tried, `sync_failed`), not pruned since.
         confirmed: steps confirmed in the cloud (`cloud`), not pruned since: such a checkpoint becomes
             invalid only on positive evidence, never because it cannot be seen.
     """
@@ -188,6 +188,8 @@ def history(events: list[dict]) -> History:
             told.started = True
         elif kind in ("sync", "resume") and isinstance(step, int):  # written; or found there and resumed from
             told.synced.add(step)
+        elif kind == "warn" and event.get("what") == "sync_failed" and isinstance(step, int):
+            told.synced.add(step)  # a write that failed part-way may have finished all but its read-back
         elif kind == "cloud" and isinstance(step, int):
             told.confirmed.add(step)
         elif kind == "prune":

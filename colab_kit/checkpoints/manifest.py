@@ -9,7 +9,7 @@ matches its manifest is decided in one place, `validity.py`.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .._clock import clock
@@ -46,7 +46,11 @@ class Manifest:
         return sum(entry.size for entry in self.files.values())
 
     def to_json(self) -> dict:
-        return asdict(self)
+        # By hand: `asdict` deep-copies every value, and manifests are written for every checkpoint.
+        return {"step": self.step, "files": {name: {"size": e.size, "sha256": e.sha256, "md5": e.md5}
+                                             for name, e in self.files.items()},
+                "fingerprint": dict(self.fingerprint), "created": self.created, "kit_version": self.kit_version,
+                "kit_state": dict(self.kit_state), "format": self.format}
 
     @classmethod
     def from_json(cls, obj: dict) -> "Manifest":

@@ -108,8 +108,8 @@ def fetch_checkpoint(source: Path, manifest: Manifest, local_root: Path) -> Path
 def _listing(origin: str, root: Path, told: History, waits) -> tuple[dict[int, Path] | None, str]:
     """The checkpoints under `root` ({step: folder}, or None and why when it cannot be listed). On Drive,
     a listing that lacks a checkpoint the journal expects is taken again after each of `waits`, and
-    every folder seen in any of them counts; one the journal confirmed in the cloud that no listing shows
-    is a candidate all the same (looked at like the others, it stops the search if it cannot be seen)."""
+    every folder seen in any of them counts; one the journal says is there that no listing shows is a
+    candidate all the same (looked at directly: a listing can miss what a read finds)."""
     found: dict[int, Path] = {}
     problem, listings = "", 0
     needed = 2 if origin == "drive" else 1  # on Drive two at once: a listing short an entry is caught by the next
@@ -124,8 +124,8 @@ def _listing(origin: str, root: Path, told: History, waits) -> tuple[dict[int, P
             problem = f"the folder could not be listed ({exc.strerror or exc})"
         if listings >= needed and not (told.expected - set(found)) and (found or not told.started):
             break
-    if origin == "drive":
-        for unseen in told.confirmed - set(found):
+    if origin == "drive":  # what the journal says is there, in no listing: looked at directly all the same
+        for unseen in told.expected - set(found):
             found[unseen] = checkpoint_dir(root, unseen)
     if not listings and not (problem == "the folder is missing" and not told.expected):
         return None, problem
@@ -157,7 +157,7 @@ def search_checkpoints(places: Iterable[tuple[str, Path]], local_root: Path, *, 
         listed, problem = _listing(origin, Path(root), told, waits)
         if listed is None:
             result.unreadable.append((Path(root), problem))
-            listed = {s: checkpoint_dir(root, s) for s in told.confirmed} if origin == "drive" else {}
+            listed = {s: checkpoint_dir(root, s) for s in told.expected} if origin == "drive" else {}
         for found_step, path in listed.items():
             if step is None or found_step == step:
                 candidates.append((found_step, origin == "local", origin, path))

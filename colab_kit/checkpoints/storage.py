@@ -168,9 +168,10 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes, durable: bool = Tru
     _fs.atomic_write_bytes(path, data, durable)
 
 
-def atomic_write_json(path: str | os.PathLike, obj) -> None:
-    """`atomic_write_bytes` of an indented JSON document."""
-    atomic_write_bytes(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
+def atomic_write_json(path: str | os.PathLike, obj, *, indent: int | None = 1) -> None:
+    """`atomic_write_bytes` of a JSON document (indented: people read these; `indent=None` for one that is
+    rewritten every few seconds, which json encodes faster on one line)."""
+    atomic_write_bytes(path, (json.dumps(obj, indent=indent, sort_keys=True) + "\n").encode())
 
 
 def copy_file(src: str | os.PathLike, dst: str | os.PathLike, durable: bool = True) -> str:

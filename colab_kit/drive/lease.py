@@ -293,7 +293,8 @@ class Lease:
 
     def _write(self) -> None:
         self.info.heartbeat = clock.time()
-        storage.atomic_write_json(self.path, dict(vars(self.info)))  # a flat dataclass: asdict's copying is not needed
+        # One line: rewritten at every heartbeat. A flat dataclass: asdict's deep copy is not needed.
+        storage.atomic_write_json(self.path, dict(vars(self.info)), indent=None)
 
     def beat(self) -> bool | None:
         """Renew the heartbeat, only while the lease is this runtime's: True (renewed), False (another

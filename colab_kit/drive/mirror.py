@@ -331,7 +331,7 @@ class Mirror:
         now = clock.monotonic()
         if now >= self._chores_at and (self.journal.pending or self.deferred.pending):
             held = self._lease_ok()  # once the folder is another runtime's, not one line more goes there
-            done = held is True and self.journal.flush(timeout=0) & self.deferred.flush(lambda: held)
+            done = held is True and self.journal.flush(timeout=0, held=True) & self.deferred.flush(lambda: held)
             self._chores_at = now if done else now + _CHORES_RETRY_S
             with self._cond:
                 self._cond.notify_all()  # drain() may be waiting for them

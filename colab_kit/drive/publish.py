@@ -166,7 +166,7 @@ class Publisher:
         self.journal.write("sync", step=snap.step, seconds=round(seconds, 3), bytes=manifest.total_bytes)
         log.info("checkpoint-%d written to %s (%s in %.1f s)", snap.step, self.run_dir,
                  format_bytes(manifest.total_bytes), seconds)
-        self.journal.flush(timeout=0)  # the lease was confirmed for this write, a moment ago
+        self.journal.flush(timeout=0, held=True)  # the lease was confirmed for this write, a moment ago
         self.in_flight = upload_for(target, manifest, f"checkpoint-{snap.step}", saved=snap.taken, started=started,
                                     source=snap.path)
         return self.in_flight

@@ -56,13 +56,14 @@ def run_schedule(schedule: Schedule) -> Outcome:
 def run_seeds(seeds, long_share: float = 0.02, stop_at_first: bool = False) -> tuple[list[Outcome], dict]:
     """Every seed's outcome that failed, and totals."""
     failed, totals = [], {"schedules": 0, "seconds": 0.0, "virtual_hours": 0.0, "starts": 0, "resumes": 0,
-                          "refusals": 0, "long": 0}
+                          "refusals": 0, "long": 0, "modes": {}}
     for seed in seeds:
         outcome = run_schedule(make_schedule(seed, long_share))
         totals["schedules"] += 1
         totals["seconds"] += outcome.seconds
         totals["virtual_hours"] += outcome.schedule.duration / 3600
         totals["long"] += outcome.schedule.duration >= 12 * 3600
+        totals["modes"][outcome.schedule.mode] = totals["modes"].get(outcome.schedule.mode, 0) + 1
         for key in ("starts", "resumes", "refusals"):
             totals[key] += getattr(outcome, key)
         if outcome.violations:
