@@ -36,7 +36,7 @@ from .._units import format_bytes
 from ..checkpoints import storage
 
 __all__ = ["UNCOMMITTED", "ITEM_ID", "MD5", "DRIVEFS", "UNCONFIRMED", "PLAIN", "API", "FileUpload", "cloud_id",
-           "read_upload", "folder_kind", "is_drive_mount", "is_local_filesystem", "LOCAL_FILESYSTEMS", "in_cloud",
+           "read_upload", "folder_kind", "probe_kind", "is_drive_mount", "is_local_filesystem", "LOCAL_FILESYSTEMS", "in_cloud",
            "describe_kind", "check_space"]
 
 UNCOMMITTED = "user.drive.uncommitted"
@@ -133,7 +133,13 @@ def is_local_filesystem(path: str | os.PathLike) -> bool:
 
 
 def folder_kind(folder: str | os.PathLike, on_drive: bool = False, waits=(0.5, 1.0, 2.0)) -> str:
-    """DRIVEFS, UNCONFIRMED or PLAIN for the persistent folder `folder` (which must exist).
+    """DRIVEFS, UNCONFIRMED or PLAIN for the persistent folder `folder` (which must exist): `probe_kind`'s kind."""
+    return probe_kind(folder, on_drive, waits)[0]
+
+
+def probe_kind(folder: str | os.PathLike, on_drive: bool = False, waits=(0.5, 1.0, 2.0)) -> tuple[str, bool]:
+    """(kind, settled) of the persistent folder `folder`: `settled` is False when the attributes could not be
+    read at all, so that UNCONFIRMED stands only until a later read answers (the mirror asks again).
 
     DRIVEFS where the attributes answer (the folder and a few files in it are asked: whether DriveFS
     gives folders the attributes is not known; `start_run` has written the lease file there by then).
@@ -147,15 +153,17 @@ def folder_kind(folder: str | os.PathLike, on_drive: bool = False, waits=(0.5, 1
         try:
             probes = [folder, *sorted(Path(e.path) for e in storage.list_dir(folder) if not e.is_dir())[:3]]
             if any(read_upload(path).has_attributes for path in probes):
-                return DRIVEFS
+                return DRIVEFS, True
             failed = None
             break
         except OSError as exc:  # e.g. errno 107 for good
             log.debug("cannot read DriveFS attributes of %s: %s", folder, exc)
             failed = exc
-    if failed is not None or on_drive or not is_local_filesystem(folder):
-        return UNCONFIRMED
-    return PLAIN
+    if failed is not None:
+        return UNCONFIRMED, False
+    if on_drive or not is_local_filesystem(folder):
+        return UNCONFIRMED, True
+    return PLAIN, True
 
 
 def describe_kind(kind: str) -> str:

@@ -34,7 +34,8 @@ from ..checkpoints.checkpoint import CHECKPOINTS
 from ..checkpoints.journal import Journal
 from ..checkpoints.snapshot import Snapshot, SnapshotChanged, discard
 from .cloud import CloudTracker
-from .drivefs import DRIVEFS, PLAIN, UNCONFIRMED
+from .deleters import TrashFreeDeleter
+from .drivefs import DRIVEFS, PLAIN, UNCONFIRMED, probe_kind
 from .gate import CheckpointGate
 from .publish import Publisher
 from .retention import Ladder, Pruner
@@ -48,6 +49,7 @@ _CHORES_RETRY_S = 2.0  # journal lines or small files that failed to go: the nex
 _PRUNE_AGAIN_S = 5.0  # after a pass that a doubt stopped
 _LADDER_AGAIN_S = 60.0  # no attributes: checkpoints move up the ladder as they age
 _IDLE_S = 30.0
+_REPROBE_S = 60.0  # attributes that could not be read at the start are asked again this often
 
 
 class Mirror:
@@ -81,7 +83,7 @@ class Mirror:
                  backoff: tuple[float, float] = (2.0, 120.0), kind: str = PLAIN, prune_after: str = "cloud",
                  writer: bool = True, ladder: Ladder = Ladder(), pace_bps: float = 1e6, lease=None,
                  on_lease_lost: Callable[[], None] | None = None, api=None, threaded: bool = True,
-                 known_steps=()):
+                 known_steps=(), kind_settled: bool = True):
         if prune_after not in ("cloud", "written"):
             raise ValueError(f"prune_after={prune_after!r}: use 'cloud' or 'written'")
         self.run_dir = Path(run_dir)
@@ -107,8 +109,9 @@ class Mirror:
         self._current: Snapshot | None = None
         self._dropped: list[int] = []
         self._retry_at = self._delete_poll_at = self._chores_at = 0.0
-        self._prune_wanted = self._adopt_wanted = self._paused = self._closed = self._woken = False
+        self._prune_wanted = self._adopt_wanted = self._paused = self._closed = self._woken = self._pruning = False
         self._prune_at = float("inf")  # a pass is due then (a doubt to look at again, the ladder)
+        self._reprobe_at = float("inf") if kind_settled or kind != UNCONFIRMED else clock.monotonic() + _REPROBE_S
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._loop, name="colab_kit-mirror", daemon=True)
         self.writer = writer
@@ -214,7 +217,7 @@ class Mirror:
 
     def _busy(self) -> bool:
         return bool(self._current is not None or self._queued or self.journal.pending or self.deferred.pending
-                    or self._adopt_wanted)
+                    or self._adopt_wanted or self._prune_wanted or self._pruning)
 
     def pause(self, reason: str) -> None:
         """Stop for good (the lease was lost to another runtime): nothing more is uploaded, pruned,
@@ -323,6 +326,8 @@ class Mirror:
         return self.prune_after == "written" or self.publisher.may_write_next(now, self.pace_bps)
 
     def _housekeeping(self) -> None:
+        if clock.monotonic() >= self._reprobe_at:
+            self._reprobe()
         if self._adopt_wanted:
             self.tracker.adopt(self.run_dir / CHECKPOINTS)
             with self._cond:
@@ -342,13 +347,34 @@ class Mirror:
             self._chores_at = max(self._chores_at, now + _CHORES_RETRY_S)
         with self._cond:
             wanted, self._prune_wanted = self._prune_wanted, False
+            self._pruning = wanted  # drain() waits for a pass that was asked for
             if confirmed:
                 self._cond.notify_all()  # the next snapshot's turn may have come
-        if wanted or now >= self._prune_at or any(u.step is not None for u in confirmed):
-            self._prune()
+        try:
+            if wanted or now >= self._prune_at or any(u.step is not None for u in confirmed):
+                self._prune()
+        finally:
+            with self._cond:
+                self._pruning = False
+                self._cond.notify_all()
         if self.gate.pending and clock.monotonic() >= self._delete_poll_at:
             self.gate.poll()
             self._delete_poll_at = clock.monotonic() + _DELETE_POLL_S
+
+    def _reprobe(self) -> None:
+        """DriveFS's attributes could not be read at the start: ask again; once they answer, the folder's uploads
+        are confirmed by them from now on (a read failure at the start no longer decides the whole run)."""
+        kind, settled = probe_kind(self.run_dir, waits=())
+        self._reprobe_at = float("inf") if settled else clock.monotonic() + _REPROBE_S
+        if kind != DRIVEFS:
+            return
+        self.kind = self.tracker.kind = kind
+        if self.prune_after == "cloud":
+            self.pruner.kind = self.gate.kind = kind
+            if not self.gate.pending:
+                self.gate.deleter = TrashFreeDeleter(kind)
+        self.journal.write("warn", what="kind", durability=kind, because="DriveFS's attributes answer now")
+        self.notices.add("DriveFS's upload attributes answer now: checkpoints are confirmed in the cloud from now on")
 
     def _attempt(self, snap: Snapshot) -> None:
         try:

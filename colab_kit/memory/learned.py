@@ -10,6 +10,7 @@ import json
 import time
 from pathlib import Path
 
+from .._clock import Late, clock
 from ..checkpoints import storage
 
 __all__ = ["MICRO_BATCH_FILE", "MicroBatchMemory"]
@@ -23,16 +24,22 @@ class MicroBatchMemory:
     Args:
         write: how the file is written; `run.train` hands it to the mirror's thread
             (`Mirror.write_later`), so that a back-off never waits for Drive. Default: at once.
+        wait_s: how long the file is waited for on Drive when it is read (at the start of `run.train`): a
+            stalled mount costs the learned size, never the training's start. What could not be read is
+            merged with what is learned when the file is written, never written over.
     """
 
-    def __init__(self, path: str | Path, notices=None, write=None):
+    def __init__(self, path: str | Path, notices=None, write=None, wait_s: float = 3.0):
         self.path = Path(path)
         self.notices = notices
         self._write = write
+        self._read_all = True
         try:
-            self.entries = list(json.loads(storage.read_bytes(self.path)).get("entries", []))
-        except (OSError, ValueError, AttributeError):
+            self.entries = _entries(clock.within(wait_s, lambda: storage.read_bytes(self.path)))
+        except FileNotFoundError:
             self.entries = []
+        except (Late, OSError, ValueError, AttributeError):
+            self.entries, self._read_all = [], False
 
     def lookup(self, gpu: str, model: str, seq_len: int) -> int | None:
         """The size learned for the tightest recorded length >= `seq_len`; for a longer sequence
@@ -51,11 +58,32 @@ class MicroBatchMemory:
         self.entries.append({"gpu": gpu, "model": model, "max_seq_len": int(seq_len),
                              "micro_batch": int(micro), "time": time.time()})
         document = {"entries": list(self.entries)}
+        if not self._read_all:  # what was there could not be read: merged in when written, never written over
+            mine = list(self.entries)
+            document = lambda there: _encode(_merged(there, mine))  # noqa: E731
         if self._write is not None:
             self._write(self.path, document)
             return
         try:
-            storage.atomic_write_json(self.path, document)
+            data = document(storage.read_bytes(self.path)) if callable(document) else _encode(document["entries"])
+            storage.atomic_write_bytes(self.path, data)
         except OSError as exc:  # kept in memory for this session; Drive trouble is reported elsewhere
             if self.notices is not None:
                 self.notices.add(f"could not save the learned micro-batch to {self.path}: {exc}")
+
+
+def _entries(raw: bytes | None) -> list:
+    return list(json.loads(raw).get("entries", [])) if raw else []
+
+
+def _merged(there: bytes | None, mine: list) -> list:
+    try:
+        theirs = _entries(there)
+    except (ValueError, AttributeError):
+        theirs = []
+    keys = {(e["gpu"], e["model"], e["max_seq_len"]) for e in mine}
+    return [e for e in theirs if (e.get("gpu"), e.get("model"), e.get("max_seq_len")) not in keys] + mine
+
+
+def _encode(entries: list) -> bytes:
+    return (json.dumps({"entries": entries}, indent=1, sort_keys=True) + "\n").encode()

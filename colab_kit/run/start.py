@@ -27,7 +27,7 @@ from ..checkpoints.search import RETRY_WAITS, Found
 from ..checkpoints.snapshot import SNAPSHOTS, recover_saved, take_snapshot
 from ..distributed.ranks import detect as detect_ranks
 from ..drive.confirm import check_confirm, choose_confirmation
-from ..drive.drivefs import UNCONFIRMED, describe_kind, folder_kind
+from ..drive.drivefs import UNCONFIRMED, describe_kind, folder_kind, probe_kind
 from ..drive.lease import Lease
 from ..drive.mount import resolve_root
 from ..drive.retention import Ladder
@@ -89,7 +89,10 @@ def _settings(keep, confirm, resume, settle, assumed_rate, save_every) -> tuple[
                          f"old ones) or 'readable' (the newest that can be read now)")
     if isinstance(settle, bool) or not isinstance(settle, (int, float, str)):
         raise ValueError(f"settle={settle!r}: give a duration such as \"10min\", or seconds")
-    ladder = Ladder(settle if isinstance(settle, (int, float)) else parse_duration(settle))
+    try:
+        ladder = Ladder(settle if isinstance(settle, (int, float)) else parse_duration(settle))
+    except ValueError as exc:
+        raise ValueError(f"settle={settle!r}: {exc}") from None
     return ladder, parse_rate(assumed_rate), _parse_save_every(save_every)
 
 
@@ -193,8 +196,8 @@ def open_claimed(name: str, drive_dir: Path, local: Path, *, lease: Lease, runti
     """
     notices = Notices()
     try:
-        kind, api = choose_confirmation(confirm, drive_dir, folder_kind(drive_dir, on_drive=on_drive),
-                                        colab=runtime.colab, say=notices.add)
+        kind, settled = probe_kind(drive_dir, on_drive=on_drive)
+        kind, api = choose_confirmation(confirm, drive_dir, kind, colab=runtime.colab, say=notices.add)
         journal = Journal(drive_dir / EVENTS, local_copy=local / EVENTS, guard=lease.check)
         recover_saved(local / SNAPSHOTS)  # saves the Trainer finished but the kit never got to upload
         _clean_local(local)
@@ -206,7 +209,8 @@ def open_claimed(name: str, drive_dir: Path, local: Path, *, lease: Lease, runti
     run = Run(name, drive_dir, local, on_drive=on_drive, save_every_s=save_every_s,
               save_every_steps=save_every_steps, keep=keep, runtime=runtime, lease=lease,
               journal=journal, notices=notices, gauges=gauges, kind=kind, prune_after=_PRUNE_AFTER, ranks=ranks,
-              ladder=ladder, pace_bps=pace_bps, api=api, known_steps=finding.told.expected, threaded=threaded)
+              ladder=ladder, pace_bps=pace_bps, api=api, known_steps=finding.told.expected, threaded=threaded,
+              kind_settled=settled)
     archived = None if resume is not False else archive_checkpoints(run, expected=bool(finding.told.expected))
     if found is not None:
         fetch_best_of(run, finding)  # before adopt_existing may prune it

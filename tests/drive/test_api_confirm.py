@@ -145,3 +145,35 @@ def test_drive_check_says_whether_the_api_confirms_and_how_soon(api_drive, monke
     monkeypatch.delenv("COLAB_KIT_DRIVE_API", raising=False)
     report = ck.drive_check(drive.mountpoint, size_mb=1, interval=0.25, quiet=True)
     assert report["api"] == {"available": False, "why": "no Drive API given (COLAB_KIT_DRIVE_API, or api=ck.DriveApi(...))"}
+
+
+def test_finding_5_a_fresh_start_never_deletes_the_archive_through_remembered_ids(api_drive, local):
+    # Issue 27, finding 5: after resume=False, the API's remembered ids of checkpoints/checkpoint-N were the
+    # archived folders', and the new run's pruning deleted archive/.../checkpoint-10 for good (no Trash).
+    drive, serve = api_drive
+    server = serve()
+    api = ck.DriveApi(server.url, drive.mountpoint)  # one API object, its ids remembered across both runs
+    first = ck.start_run("arch", drive=drive.mountpoint / "colab_kit", local_dir=local / "a", save_every=5, keep=1,
+                         quiet=True, confirm=api)
+    train_with(first, steps=10)
+    fresh = ck.start_run("arch", drive=drive.mountpoint / "colab_kit", local_dir=local / "b", save_every=5, keep=1,
+                         quiet=True, confirm=api, resume=False)
+    events = train_with(fresh, steps=15)
+    run_dir = drive.cloud / "colab_kit" / "arch"
+    archived = [p for p in (run_dir / "archive").iterdir()]
+    assert len(archived) == 1
+    assert verify_folder(archived[0] / "checkpoint-10") is None  # the archive is whole in the cloud
+    fresh_events = events[[i for i, e in enumerate(events) if e["event"] == "archive"][-1]:]
+    clouds = {e["step"] for e in fresh_events if e["event"] == "cloud" and "step" in e}
+    assert 15 in clouds  # and the new run's checkpoints are confirmed (before: under the archive's folder id)
+    assert [s for s, _ in list_checkpoints(run_dir / "checkpoints")] == [15]
+
+
+def test_finding_7_a_403_at_the_start_keeps_api_confirmation(api_drive, local):
+    drive, serve = api_drive
+    server = serve(fail_first=3)  # Drive's API answers its first three requests with 403 (a rate limit)
+    run = ck.start_run("limited", drive=drive.mountpoint / "colab_kit", local_dir=local, save_every=5, keep=1,
+                       quiet=True, confirm=ck.DriveApi(server.url, drive.mountpoint))
+    assert run.durability == API  # before: "auto" for the whole run, here unconfirmed
+    events = train_with(run, steps=10)
+    assert any(e["event"] == "cloud" and e.get("via") == "api" for e in events)

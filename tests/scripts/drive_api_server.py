@@ -17,7 +17,8 @@ The subset the kit calls:
 - `GET  /drive/v3/files/<id>?fields=...` (files.get); `root` is the root folder's alias.
 - `DELETE /drive/v3/files/<id>` (files.delete): permanent, no Trash; a folder with everything in it.
 Field masks (`files(id,name)`, `nextPageToken`) are applied. Faults: `fail=P` answers a fraction P
-of requests with 403 rateLimitExceeded or 500 (seeded), each logged. Items the emulator cannot make
+of requests with 403 rateLimitExceeded or 500 (seeded), each logged; `fail_first=N` answers the first N
+requests with 403. Items the emulator cannot make
 (two items with one name in a folder) are added with `add_item`.
 """
 
@@ -72,10 +73,12 @@ def apply_fields(item: dict, mask: str | None) -> dict:
 class DriveApiServer:
     """The HTTP server; `calls` counts requests by method, `log` holds (method, path, status)."""
 
-    def __init__(self, cloud, trash, *, fail: float = 0.0, seed: int = 0, port: int = 0, max_page: int = 1000):
+    def __init__(self, cloud, trash, *, fail: float = 0.0, seed: int = 0, port: int = 0, max_page: int = 1000,
+                 fail_first: int = 0):
         self.cloud, self.trash = os.path.abspath(cloud), os.path.abspath(trash)
         self.max_page = max_page  # Drive answers at most 1000 items a page
         self.fail, self.rng = fail, random.Random(seed)
+        self.fail_first = fail_first  # the first requests all answer 403 (a rate limit at the start)
         self.extra: list[dict] = []  # items added by tests (duplicates)
         self.calls: dict[str, int] = {}
         self.log: list[tuple[str, str, int]] = []
@@ -169,6 +172,9 @@ class DriveApiServer:
                     server.calls[self.command] = server.calls.get(self.command, 0) + 1
                     fails = server.fail and server.rng.random() < server.fail
                     status = server.rng.choice([403, 500]) if fails else 0
+                    if server.fail_first > 0:
+                        server.fail_first -= 1
+                        fails, status = True, 403
                 if not fails:
                     return False
                 reason = "rateLimitExceeded" if status == 403 else "backendError"

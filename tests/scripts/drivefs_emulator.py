@@ -525,6 +525,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="seeds the faults")
     parser.add_argument("--fault-log", default=None, help="append each fault injected here, as a JSON line")
     parser.add_argument("--stall-on-signal", type=float, default=0.0, help="SIGUSR2 stalls every operation for S s")
+    parser.add_argument("--name", default="drive", help="the daemon's name in the mount table (fuse.<name>)")
     args = parser.parse_args()
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>`: every thread's stack, to the log
     os.makedirs(args.cloud, exist_ok=True)
@@ -533,8 +534,9 @@ def main() -> None:
     ops = DriveFS(os.path.abspath(args.cache), os.path.abspath(args.cloud), os.path.abspath(args.trash),
                   args.rate, args.quota, not args.no_attrs, faults)
     print("mounting", args.mountpoint, flush=True)
-    # fsname/subtype make the mount read "drive on ... type fuse.drive", as Colab's DriveFS mount does.
-    fuse.FUSE(ops, args.mountpoint, foreground=True, nothreads=False, fsname="drive", subtype="drive")
+    # fsname/subtype make the mount read "drive on ... type fuse.drive", as Colab's DriveFS mount does (another
+    # --name stands in for another cloud mount: rclone, gcsfuse, ...).
+    fuse.FUSE(ops, args.mountpoint, foreground=True, nothreads=False, fsname=args.name, subtype=args.name)
     sys.exit(0)
 
 

@@ -44,15 +44,16 @@ class EmulatedDrive:
         faults: the emulator's `--faults` ("eio=0.01,vanish=0.02,stall=0.005:3,enotconn=0.001"), seeded
             by `seed` (each mount the next seed); every fault lands in `fault_log`.
         stall_s: `stall()` holds every operation for this long (the emulator's --stall-on-signal).
+        name: the daemon's name in the mount table (`fuse.drive` as Colab's; another stands in for rclone & co).
     """
 
     def __init__(self, root: str | os.PathLike, *, rate: float = 4e6, quota: int | None = None, attrs: bool = True,
-                 faults: str = "", seed: int = 0, stall_s: float = 0.0):
+                 faults: str = "", seed: int = 0, stall_s: float = 0.0, name: str = "drive"):
         self.root = Path(root)
         self.mountpoint = self.root / "mnt"
         self.cache, self.cloud, self.trash = self.root / "cache", self.root / "cloud", self.root / "trash"
         self.rate, self.quota, self.attrs = rate, quota, attrs
-        self.faults, self.seed, self.stall_s = faults, seed, stall_s
+        self.faults, self.seed, self.stall_s, self.name = faults, seed, stall_s, name
         self.fault_log = self.root / "faults.jsonl"
         self.proc: subprocess.Popen | None = None
         self.mounts = 0
@@ -66,6 +67,8 @@ class EmulatedDrive:
             cmd += ["--quota", str(self.quota)]
         if not self.attrs:
             cmd.append("--no-attrs")
+        if self.name != "drive":
+            cmd += ["--name", self.name]
         if self.faults:
             cmd += ["--faults", self.faults, "--seed", str(self.seed + self.mounts)]
         if self.stall_s:

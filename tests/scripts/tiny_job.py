@@ -48,7 +48,7 @@ class Killer:
 
 def install_kill_hooks(killer: Killer, drive: Path) -> None:
     from colab_kit.checkpoints import storage
-    from colab_kit.drive import drivefs
+    from colab_kit.drive import deleters
     from colab_kit.run import store
 
     write_chunk = storage._write_chunk
@@ -80,7 +80,7 @@ def install_kill_hooks(killer: Killer, drive: Path) -> None:
 
     storage.append_line = journal
 
-    remove_tree = drivefs._remove_tree
+    remove_tree = deleters._remove_tree
 
     def prune(folder, first):
         if first is not None and killer.hit("prune"):
@@ -88,7 +88,7 @@ def install_kill_hooks(killer: Killer, drive: Path) -> None:
             die()
         remove_tree(folder, first)
 
-    drivefs._remove_tree = prune
+    deleters._remove_tree = prune
 
     save_fsynced = store._save_fsynced
 
