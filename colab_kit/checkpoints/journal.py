@@ -16,7 +16,7 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .._clock import Late, clock
+from .clock import Late, clock
 from . import looks, storage
 
 __all__ = ["EVENTS", "Journal", "SilentJournal", "read_events", "History", "history", "read_history"]

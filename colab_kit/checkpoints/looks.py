@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Callable, TypeVar
 
-from .._clock import clock
+from .clock import clock
 
 __all__ = ["WAITS", "again", "span"]
 

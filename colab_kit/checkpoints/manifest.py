@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .._clock import clock
+from .clock import clock
 from ..runtime import KIT_VERSION
 from . import storage
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
 
-from .._clock import clock
+from .clock import clock
 from . import storage, validity
 from .checkpoint import checkpoint_dir, list_checkpoints
 from .journal import History

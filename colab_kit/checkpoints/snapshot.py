@@ -18,7 +18,7 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .._clock import clock
+from .clock import clock
 from . import storage
 from .manifest import MANIFEST, Manifest, hash_folder, write_manifest
 

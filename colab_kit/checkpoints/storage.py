@@ -20,7 +20,7 @@ import os
 import stat as _stat
 from pathlib import Path
 
-from .._clock import clock
+from .clock import clock
 from .osfs import CHUNK, TMP_MARK, OsFilesystem, write_chunk
 
 __all__ = [

@@ -10,8 +10,8 @@ A checkpoint goes through three states, and the kit reports each for what it is:
 `CloudTracker` holds the written-but-unconfirmed items (checkpoints and `final/`), polls
 DriveFS's attributes with a backoff that grows with each item's age (so a 10-second upload is
 timed to about a second and a 20-minute one is polled every 15 s), and measures the upload
-rate from the confirmations. It never blocks training: the mirror thread polls it, and so does
-`run.finish()` while it waits.
+rate from the confirmations. It never blocks training: the mirror's worker polls it, and so does
+`run.finish()` while it waits (`run/finish.wait_for_cloud`).
 
 Only an item whose every byte is known to match its manifest (`verified`: published and read back,
 fetched, or found VALID by `validity.check`) is ever claimed in the cloud. An item that a poll
@@ -26,8 +26,7 @@ import logging
 import threading
 from pathlib import Path
 
-from .._clock import Late, clock
-from .._notices import Countdown
+from ..checkpoints.clock import clock
 from .._units import format_age, format_bytes
 from ..checkpoints import storage, validity
 from ..checkpoints.checkpoint import list_checkpoints
@@ -290,29 +289,6 @@ class CloudTracker:
 
     def all_in_cloud(self) -> bool:
         return self.kind != UNCONFIRMED and not self.pending()
-
-    def wait(self, deadline: float | None) -> bool:
-        """Poll until everything written is in the cloud or `deadline` (monotonic) passes, showing
-        a countdown (main thread only); False at once on a folder that cannot confirm uploads. A poll
-        that hangs on Drive goes on in the background: the deadline holds."""
-        countdown = None
-        while True:
-            try:
-                clock.within(None if deadline is None else max(0.05, deadline - clock.monotonic()), self.poll)
-            except Late:
-                pass
-            if self.all_in_cloud() or self.kind == UNCONFIRMED:
-                return self.all_in_cloud()
-            left = None if deadline is None else deadline - clock.monotonic()
-            if left is not None and left <= 0:
-                return False
-            countdown = countdown or Countdown()
-            eta, rate = self.eta_s(), self.rate_bps
-            countdown.show(f"colab_kit: waiting for Drive to upload {format_bytes(self.pending_bytes)} "
-                           f"({self.pending_labels()})"
-                           + (f": ~{format_age(eta)} left at {format_bytes(rate)}/s" if eta and rate else "")
-                           + (f"; giving up in {format_age(left)}" if left is not None else ""))
-            clock.sleep(min(1.0, left) if left is not None else 1.0)
 
     def pending_labels(self) -> str:
         """"checkpoint-60, final/": what is written and not yet in the cloud."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from .._clock import clock
+from ..checkpoints.clock import clock
 from ..checkpoints import storage
 from ..errors import DriveError
 from .drivefs import API, PLAIN, UNCONFIRMED, read_upload

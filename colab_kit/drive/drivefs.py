@@ -31,7 +31,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .._clock import clock
+from ..checkpoints.clock import clock
 from .._units import format_bytes
 from ..checkpoints import storage
 
@@ -82,8 +82,6 @@ def read_upload(path: str | os.PathLike) -> FileUpload:
     uncommitted = _attr(path, UNCOMMITTED)
     if uncommitted is None:  # no DriveFS attributes here: skip the other two reads
         return FileUpload(None, None, None)
-    if uncommitted != b"0":  # not in the cloud whatever the others say: two reads spared on every poll
-        return FileUpload(uncommitted, None, None)
     return FileUpload(uncommitted, _attr(path, ITEM_ID), _attr(path, MD5))
 
 
@@ -194,10 +192,19 @@ def in_cloud(folder: Path, files: dict[str, str | None], kind: str) -> tuple[boo
         if kind == PLAIN:
             storage.stat(path)
             continue
-        if kind == UNCONFIRMED or not read_upload(path).in_cloud(md5):
+        if kind == UNCONFIRMED or not _committed(path, md5):
             every = False  # counted apart from the bytes: an emptied file has none to count
             pending += storage.stat(path).st_size
     return every, pending
+
+
+def _committed(path: Path, md5: str | None) -> bool:
+    """`read_upload(path).in_cloud(md5)`, sparing the id and md5 reads of a file not committed yet (a poll
+    asks every pending file each time)."""
+    uncommitted = _attr(path, UNCOMMITTED)
+    if uncommitted != b"0":
+        return False
+    return FileUpload(uncommitted, _attr(path, ITEM_ID), _attr(path, MD5)).in_cloud(md5)
 
 
 def check_space(folder: Path, needed: int, pending: int, what: str) -> None:

@@ -21,101 +21,25 @@ read its lease never writes its old claim over a new owner's.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import socket
 import threading
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from .._clock import clock
+from ..checkpoints.clock import clock
 from .._units import format_age
 from ..checkpoints import looks, storage
 from ..errors import LeaseHeldError
 from .gate import act
+from .leasefile import LEASE, STALE_AFTER_BEATS, LeaseInfo, lease_staleness, process_start, read_lease
 
-__all__ = ["LEASE", "LeaseInfo", "Lease", "read_lease", "lease_staleness"]
+__all__ = ["LEASE", "LeaseInfo", "Lease", "read_lease", "lease_staleness"]  # the first, last two: leasefile.py
 
-LEASE = "lease.json"
-STALE_AFTER_BEATS = 4
 WATCH_BEATS = 1.5  # how long a live lease of another host is watched before it counts as dead
 log = logging.getLogger(__name__)
-
-
-def _process_start(pid: int) -> float | None:
-    """When process `pid` on this host started, or None when it has ended.
-
-    A killed process whose parent died too stays a zombie until something reaps it, and in a
-    container without a reaping init that can be forever: a zombie holds nothing, so it
-    counts as ended.
-    """
-    try:
-        import psutil
-
-        process = psutil.Process(pid)
-        if process.status() == psutil.STATUS_ZOMBIE:
-            return None
-        return process.create_time()
-    except Exception:
-        return None
-
-
-@dataclass
-class LeaseInfo:
-    host: str
-    pid: int
-    pid_start: float | None
-    session: str
-    started: float
-    heartbeat: float
-    heartbeat_s: float
-    released: bool = False
-
-
-def read_lease(path: str | Path) -> LeaseInfo | None:
-    """The lease in `path` (a run folder or the lease file), or None when there is no lease file.
-
-    Raises:
-        OSError: the file could not be read. ValueError: it holds no lease (torn or foreign).
-    """
-    path = Path(path)
-    if path.name != LEASE:
-        path = path / LEASE
-    try:
-        raw = storage.read_bytes(path)
-    except FileNotFoundError:
-        return None
-    try:
-        obj = json.loads(raw)
-        return LeaseInfo(**{k: obj[k] for k in LeaseInfo.__dataclass_fields__ if k in obj})
-    except (ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"{path} holds no lease ({exc})") from None
-
-
-def _unknown(exc: Exception) -> str:
-    return getattr(exc, "strerror", None) or str(exc)
-
-
-def lease_staleness(info: LeaseInfo, now: float | None = None, *, host: str | None = None,
-                    process_start: Callable[[int], float | None] = _process_start) -> str | None:
-    """Why `info` no longer protects its run (a reason), or None while it is live. `host` is this
-    machine's name (whose processes can be asked after); `process_start` asks when a pid started."""
-    now = clock.time() if now is None else now
-    if info.released:
-        return "it was released when its run finished"
-    if info.host == (host or socket.gethostname()):
-        start = process_start(info.pid)
-        if start is None:
-            return f"its process {info.pid} on this host has ended"
-        if info.pid_start is not None and abs(start - info.pid_start) > 1.0:
-            return f"process {info.pid} on this host is a different process now"
-    age = now - info.heartbeat
-    if age > STALE_AFTER_BEATS * info.heartbeat_s:
-        return f"its last heartbeat was {format_age(age)} ago"
-    return None
 
 
 class Lease:
@@ -130,7 +54,7 @@ class Lease:
     """
 
     def __init__(self, run_dir: str | Path, heartbeat_s: float = 30.0, *, host: str | None = None,
-                 pid: int | None = None, process_start: Callable[[int], float | None] = _process_start,
+                 pid: int | None = None, process_start: Callable[[int], float | None] = process_start,
                  session: str | None = None):
         self.path = Path(run_dir) / LEASE
         self.heartbeat_s = float(heartbeat_s)
@@ -238,7 +162,7 @@ class Lease:
             try:
                 return read_lease(self.path)
             except (OSError, ValueError) as exc:
-                problem = _unknown(exc)
+                problem = getattr(exc, "strerror", None) or str(exc)
         raise LeaseHeldError(f"cannot read the lease of {self.path.parent} ({problem}), so whether another runtime "
                              f"writes this run is unknown: nothing was taken over. Run this cell again in a minute; "
                              f"if no other runtime can be using it: ck.start_run({run_name!r}, takeover=True)")

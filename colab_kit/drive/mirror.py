@@ -28,31 +28,26 @@ import threading
 from pathlib import Path
 from typing import Callable
 
-from .._clock import clock
+from ..checkpoints.clock import clock
 from .._notices import Notices
 from ..checkpoints.checkpoint import CHECKPOINTS
 from ..checkpoints.journal import Journal
-from ..checkpoints.snapshot import Snapshot, SnapshotChanged, discard
+from ..checkpoints.snapshot import Snapshot, discard
 from .cloud import CloudTracker
-from .deleters import TrashFreeDeleter
-from .drivefs import DRIVEFS, PLAIN, UNCONFIRMED, probe_kind
+from .drivefs import DRIVEFS, PLAIN, UNCONFIRMED
 from .gate import CheckpointGate
 from .publish import Publisher
 from .retention import Ladder, Pruner
 from .upkeep import DeferredWrites, KeptCopies
+from . import worker
+from .worker import MirrorWorker
 
 __all__ = ["Mirror"]
 
 log = logging.getLogger(__name__)
-_DELETE_POLL_S = 1.0
-_CHORES_RETRY_S = 2.0  # journal lines or small files that failed to go: the next try
-_PRUNE_AGAIN_S = 5.0  # after a pass that a doubt stopped
-_LADDER_AGAIN_S = 60.0  # no attributes: checkpoints move up the ladder as they age
-_IDLE_S = 30.0
-_REPROBE_S = 60.0  # attributes that could not be read at the start are asked again this often
 
 
-class Mirror:
+class Mirror(MirrorWorker):
     """The background uploader of one run folder.
 
     Args:
@@ -111,7 +106,8 @@ class Mirror:
         self._retry_at = self._delete_poll_at = self._chores_at = 0.0
         self._prune_wanted = self._adopt_wanted = self._paused = self._closed = self._woken = self._pruning = False
         self._prune_at = float("inf")  # a pass is due then (a doubt to look at again, the ladder)
-        self._reprobe_at = float("inf") if kind_settled or kind != UNCONFIRMED else clock.monotonic() + _REPROBE_S
+        self._reprobe_at = (float("inf") if kind_settled or kind != UNCONFIRMED
+                            else clock.monotonic() + worker.REPROBE_S)
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._loop, name="colab_kit-mirror", daemon=True)
         self.writer = writer
@@ -275,154 +271,3 @@ class Mirror:
             self.kept.discard_all()
             if self.journal.on_pending == self.wake:  # no flusher any more: the journal's writers flush
                 self.journal.on_pending = None
-
-    # -- worker ------------------------------------------------------------------------------
-    def _loop(self) -> None:
-        while True:
-            with self._cond:
-                if self._closed or self._paused:
-                    return
-                self._woken = False
-            wait = self.step()
-            with self._cond:
-                if self._closed or self._paused:
-                    return
-                if not self._woken and wait > 0:
-                    self._cond.wait(timeout=min(wait, _IDLE_S))
-
-    def step(self) -> float:
-        """One round of the worker: what is due of the chores (journal lines, small files, learning the
-        folder, confirmations, pruning, deletions under way), then one try at the snapshot whose turn it
-        is. Returns the seconds until it wants to run again. Never raises."""
-        if self._paused or not self.writer:
-            return _IDLE_S
-        try:
-            self._housekeeping()
-        except Exception:  # a bug or Drive trouble must not kill the worker silently
-            log.exception("colab_kit: checkpoint housekeeping failed; trying again later")
-        now = clock.monotonic()
-        with self._cond:
-            if self._current is None and self._queued and self._turn_came(now):
-                self._current = self._queued.pop(0)
-            snap = self._current if self._current is not None and now >= self._retry_at and not self._paused else None
-        if snap is not None:
-            self._attempt(snap)
-        return self._next_wait()
-
-    def _next_wait(self) -> float:
-        now = clock.monotonic()
-        with self._cond:
-            chores = self.journal.pending or self.deferred.pending or self.tracker.missing(0.0)
-            waits = [w for w in (self.tracker.next_poll_in(),
-                                 1.0 if self._queued and self._current is None else None,  # its turn comes
-                                 self._retry_at - now if self._current is not None else None,
-                                 self._delete_poll_at - now if self.gate.pending else None,
-                                 self._chores_at - now if chores else None,
-                                 self._prune_at - now if self._prune_at != float("inf") else None,
-                                 0.0 if self._prune_wanted or self._adopt_wanted else None) if w is not None]
-        return max(0.0, min(waits + [_IDLE_S]))
-
-    def _turn_came(self, now: float) -> bool:
-        return self.prune_after == "written" or self.publisher.may_write_next(now, self.pace_bps)
-
-    def _housekeeping(self) -> None:
-        if clock.monotonic() >= self._reprobe_at:
-            self._reprobe()
-        if self._adopt_wanted:
-            self.tracker.adopt(self.run_dir / CHECKPOINTS)
-            with self._cond:
-                self._adopt_wanted, self._prune_wanted = False, True
-                self._cond.notify_all()
-        now = clock.monotonic()
-        if now >= self._chores_at and (self.journal.pending or self.deferred.pending):
-            held = self._lease_ok()  # once the folder is another runtime's, not one line more goes there
-            done = held is True and self.journal.flush(timeout=0, held=True) & self.deferred.flush(lambda: held)
-            self._chores_at = now if done else now + _CHORES_RETRY_S
-            with self._cond:
-                self._cond.notify_all()  # drain() may be waiting for them
-        confirmed = self.tracker.poll()
-        self.kept.release_safe()
-        if self.tracker.missing(0.0) and now >= self._chores_at:
-            self.kept.upload_missing(self._lease_ok)
-            self._chores_at = max(self._chores_at, now + _CHORES_RETRY_S)
-        with self._cond:
-            wanted, self._prune_wanted = self._prune_wanted, False
-            self._pruning = wanted  # drain() waits for a pass that was asked for
-            if confirmed:
-                self._cond.notify_all()  # the next snapshot's turn may have come
-        try:
-            if wanted or now >= self._prune_at or any(u.step is not None for u in confirmed):
-                self._prune()
-        finally:
-            with self._cond:
-                self._pruning = False
-                self._cond.notify_all()
-        if self.gate.pending and clock.monotonic() >= self._delete_poll_at:
-            self.gate.poll()
-            self._delete_poll_at = clock.monotonic() + _DELETE_POLL_S
-
-    def _reprobe(self) -> None:
-        """DriveFS's attributes could not be read at the start: ask again; once they answer, the folder's uploads
-        are confirmed by them from now on (a read failure at the start no longer decides the whole run)."""
-        kind, settled = probe_kind(self.run_dir, waits=())
-        self._reprobe_at = float("inf") if settled else clock.monotonic() + _REPROBE_S
-        if kind != DRIVEFS:
-            return
-        self.kind = self.tracker.kind = kind
-        if self.prune_after == "cloud":
-            self.pruner.kind = self.gate.kind = kind
-            if not self.gate.pending:
-                self.gate.deleter = TrashFreeDeleter(kind)
-        self.journal.write("warn", what="kind", durability=kind, because="DriveFS's attributes answer now")
-        self.notices.add("DriveFS's upload attributes answer now: checkpoints are confirmed in the cloud from now on")
-
-    def _attempt(self, snap: Snapshot) -> None:
-        try:
-            self._upload(snap)
-        except SnapshotChanged as exc:  # overwritten in place: a newer save will follow
-            self.notices.add(f"{exc}; skipped it")
-            self.journal.write("warn", what="snapshot_changed", step=snap.step, error=str(exc))
-            discard(snap)
-        except Exception as exc:  # OSError is Drive trouble; anything else a bug: retry, report
-            if not isinstance(exc, OSError):
-                log.exception("unexpected error mirroring checkpoint-%d", snap.step)
-            self._failed(snap, exc)
-            return
-        self.kept.release_safe()  # before the worker says it is done: what is safe leaves nothing behind
-        with self._cond:
-            self._current = None
-            self._cond.notify_all()
-
-    def _failed(self, snap: Snapshot, exc: BaseException) -> None:
-        delay = self.publisher.failed(snap, exc)
-        with self._cond:
-            newer = any(q.step > snap.step for q in self._queued)
-            if newer and snap.step != self.best_step:  # superseded: stop retrying this one
-                discard(snap)
-                self._current = None
-            elif newer:  # the best one is retried after the newer one, which is not held up by it
-                self._queued.append(snap)
-                self._current = None
-            else:
-                self._retry_at = clock.monotonic() + delay
-            self._cond.notify_all()
-
-    def _upload(self, snap: Snapshot) -> None:
-        upload = self.publisher.write(snap, self._lease_ok)
-        if upload is None:  # kept what the folder holds at this step (the gate said why): nothing to follow
-            discard(snap)
-            return
-        self.kept.keep(snap)
-        in_cloud = self.tracker.add(upload)
-        if in_cloud or self.prune_after == "written" or self.kind == UNCONFIRMED:
-            self._prune()
-
-    def _prune(self) -> None:
-        protect = {s.step for s in (self._current,) if s is not None} | self.protected
-        done = self.pruner.prune(self.tracker, protect=protect, best=self.best_step)
-        if done is None:
-            self._prune_at = clock.monotonic() + _PRUNE_AGAIN_S
-        elif self.pruner.kind == UNCONFIRMED and len(self.tracker.checkpoint_steps()) > 1:
-            self._prune_at = clock.monotonic() + _LADDER_AGAIN_S
-        else:
-            self._prune_at = float("inf")

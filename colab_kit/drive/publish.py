@@ -16,7 +16,7 @@ import logging
 from pathlib import Path
 from typing import Callable
 
-from .._clock import clock
+from ..checkpoints.clock import clock
 from .._notices import Notices
 from .._units import format_age, format_bytes
 from ..checkpoints import looks, storage, validity

@@ -28,7 +28,7 @@ import math
 from pathlib import Path
 from typing import Iterable
 
-from .._clock import clock
+from ..checkpoints.clock import clock
 from .._units import format_age
 from ..checkpoints import validity
 from ..checkpoints.checkpoint import list_checkpoints

@@ -14,7 +14,7 @@ import threading
 from pathlib import Path
 from typing import Callable
 
-from .._clock import clock
+from ..checkpoints.clock import clock
 from .._units import format_age
 from ..checkpoints import looks, storage
 from ..checkpoints.checkpoint import publish_folder, repair_folder

@@ -10,7 +10,7 @@ import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .._clock import clock
+from ..checkpoints.clock import clock
 from ..checkpoints import storage
 from ..checkpoints.manifest import MANIFEST, Manifest
 

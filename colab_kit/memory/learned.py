@@ -10,7 +10,7 @@ import json
 import time
 from pathlib import Path
 
-from .._clock import Late, clock
+from ..checkpoints.clock import Late, clock
 from ..checkpoints import storage
 
 __all__ = ["MICRO_BATCH_FILE", "MicroBatchMemory"]

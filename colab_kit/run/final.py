@@ -7,6 +7,7 @@ until it is in the cloud (`run.finish()` waits for it).
 
 from __future__ import annotations
 
+import errno
 import json
 import shutil
 import time
@@ -43,7 +44,8 @@ def save_final(run, model, tokenizer=None, metrics: dict | None = None, retries:
     target = run.drive_dir / FINAL
     for attempt in range(1, retries + 1):
         try:
-            publish_folder(local, target, manifest)
+            _check_lease(run)  # a newer export replaces the last one: only by the runtime that holds the run
+            publish_folder(local, target, manifest, replace=True)
             break
         except OSError as exc:
             if attempt == retries:
@@ -58,3 +60,11 @@ def save_final(run, model, tokenizer=None, metrics: dict | None = None, retries:
     print(f"colab_kit: final model saved to {target} ({format_bytes(manifest.total_bytes)}, "
           f"{len(manifest.files)} files, verified)")
     return target
+
+
+def _check_lease(run) -> None:
+    """Raises OSError unless the run's lease is this runtime's now (`Lease.check`)."""
+    held = run.lease.check() if run.lease is not None else True
+    if held is not True:
+        raise OSError(errno.EAGAIN, "another runtime holds the run folder now" if held is False else
+                      "the run's lease could not be confirmed now")

@@ -65,7 +65,7 @@ def find_resume(name: str, drive_dir: Path, local: Path, *, resume, notices: Not
         journal.write("warn", what="invalid_checkpoint", path=str(path), reason=reason)
 
     search = search_checkpoints(places, local, on_skip=skipped,
-                                told=told if resume is True else History(synced=told.expected))
+                                told=told if resume is True else History(started=told.started))
     if search.blocked:
         raise _blocked_error(name, drive_dir, search.blocked)
     if search.unreadable:

@@ -11,13 +11,14 @@ import logging
 import os
 import sys
 
-from .._clock import Late, clock
+from ..checkpoints.clock import Late, clock
+from .._notices import Countdown
 from .._units import format_age, format_bytes
 from ..drive.drivefs import PLAIN, UNCONFIRMED
 from ..drive.mount import flush_hint
 from .registry import unregister
 
-__all__ = ["finish_run", "report", "flush_drive"]
+__all__ = ["finish_run", "report", "flush_drive", "wait_for_cloud"]
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ def finish_run(run, timeout: float | None, status: str, *, flush: bool = False, 
         return summary
     tracker = run.mirror.tracker
     if cloud_wait and not run.mirror.paused:
-        tracker.wait(deadline)
+        wait_for_cloud(tracker, deadline)
     else:
         _within(deadline, lambda: tracker.poll(force=True))
     summary = run.status() | {"status": status, "synced": drained and not run.mirror.paused,
@@ -79,7 +80,7 @@ def finish_run(run, timeout: float | None, status: str, *, flush: bool = False, 
 
 def _finish_again(run, deadline: float | None, flush: bool) -> dict:
     """`finish()` on a finished run: wait for what is on its way, and prune what that allows."""
-    run.mirror.tracker.wait(deadline)
+    wait_for_cloud(run.mirror.tracker, deadline)
     if run.mirror.tracker.all_in_cloud() and not run.mirror.paused:  # what reached the cloud since allows pruning
         _within(deadline, lambda: run.mirror.prune_now(deadline if deadline is not None else clock.monotonic() + 60))
     summary = run.status() | {k: run._summary[k] for k in ("status", "synced")} | {"in_cloud": _in_cloud(run)}
@@ -87,6 +88,30 @@ def _finish_again(run, deadline: float | None, flush: bool) -> dict:
     if flush:
         flush_drive(run)
     return summary
+
+
+def wait_for_cloud(tracker, deadline: float | None) -> bool:
+    """Poll `tracker` until everything written is in the cloud or `deadline` (monotonic) passes, showing a
+    countdown (main thread only); False at once on a folder that cannot confirm uploads. A poll that hangs on
+    Drive goes on in the background: the deadline holds."""
+    countdown = None
+    while True:
+        try:
+            clock.within(None if deadline is None else max(0.05, deadline - clock.monotonic()), tracker.poll)
+        except Late:
+            pass
+        if tracker.all_in_cloud() or tracker.kind == UNCONFIRMED:
+            return tracker.all_in_cloud()
+        left = None if deadline is None else deadline - clock.monotonic()
+        if left is not None and left <= 0:
+            return False
+        countdown = countdown or Countdown()
+        eta, rate = tracker.eta_s(), tracker.rate_bps
+        countdown.show(f"colab_kit: waiting for Drive to upload {format_bytes(tracker.pending_bytes)} "
+                       f"({tracker.pending_labels()})"
+                       + (f": ~{format_age(eta)} left at {format_bytes(rate)}/s" if eta and rate else "")
+                       + (f"; giving up in {format_age(left)}" if left is not None else ""))
+        clock.sleep(min(1.0, left) if left is not None else 1.0)
 
 
 def _in_cloud(run) -> bool | None:

@@ -17,7 +17,7 @@ import time
 import weakref
 from pathlib import Path
 
-from .._clock import clock
+from ..checkpoints.clock import clock
 from .._notices import Countdown, Notices
 from .._units import format_age, format_bytes, is_count, parse_duration, parse_rate
 from ..checkpoints import storage

@@ -23,7 +23,7 @@ import tempfile
 import uuid
 from pathlib import Path
 
-from .._clock import clock
+from ..checkpoints.clock import clock
 from .._notices import Notices
 from ..checkpoints import storage
 from ..checkpoints.checkpoint import CHECKPOINTS, checkpoint_dir, list_checkpoints, model_signature
@@ -33,6 +33,7 @@ from ..checkpoints.snapshot import SNAPSHOTS, take_snapshot
 from ..drive.drivefs import folder_kind
 from ..drive.mirror import Mirror
 from ..errors import CheckpointError, DriveError, ResumeMismatchError
+from .finish import wait_for_cloud
 
 __all__ = ["CheckpointStore"]
 
@@ -245,7 +246,7 @@ class CheckpointStore:
         """Block until every saved checkpoint is written to `dir` and in the cloud; False on timeout
         (and always False on a Drive mount that cannot confirm uploads)."""
         deadline = None if timeout is None else clock.monotonic() + timeout
-        done = self._mirror.drain(timeout) and self._mirror.tracker.wait(deadline)
+        done = self._mirror.drain(timeout) and wait_for_cloud(self._mirror.tracker, deadline)
         self._notices.show()
         return done
 

@@ -185,9 +185,9 @@ def test_finding_6_one_empty_listing_never_means_nothing_to_archive(drive, local
 
 # -- finding 7: attributes that could not be read at the start do not decide the whole run -------------------------
 def test_finding_7_attributes_unreadable_at_the_start_are_asked_again(emulated_drive, tmp_path, monkeypatch):
-    from colab_kit.drive import mirror
+    from colab_kit.drive import worker
 
-    monkeypatch.setattr(mirror, "_REPROBE_S", 0.3)
+    monkeypatch.setattr(worker, "REPROBE_S", 0.3)
     drive = emulated_drive(rate=20e6)  # DriveFS's attributes answer
     left = once(monkeypatch, "getxattr", "", OSError(errno.EIO, "Input/output error"), times=4)
     run = ck.start_run("t", drive=drive.mountpoint, local_dir=tmp_path / "local", save_every=5, quiet=True,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 
-from colab_kit._clock import clock
+from colab_kit.checkpoints.clock import clock
 from colab_kit.checkpoints import search, validity
 from colab_kit.checkpoints.checkpoint import list_checkpoints
 from colab_kit.drive import retention

@@ -19,7 +19,7 @@ import json
 import random
 from pathlib import Path
 
-from colab_kit._clock import Clock
+from colab_kit.checkpoints.clock import Clock
 from colab_kit.checkpoints import storage, validity
 from colab_kit.checkpoints.snapshot import SNAPSHOTS, take_snapshot
 from colab_kit.distributed.ranks import Ranks
@@ -341,7 +341,7 @@ def _payload(key: str, size: int) -> bytes:
 
 class _clock_in_use:
     def __init__(self, clock):
-        from colab_kit._clock import use_clock
+        from colab_kit.checkpoints.clock import use_clock
 
         self._cm = use_clock(clock)
 

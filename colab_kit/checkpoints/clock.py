@@ -1,6 +1,6 @@
 """The one seam for time in the kit's durability core (the mirror, retention, leases, confirmation).
 
-    from .._clock import clock
+    from .clock import clock
     clock.time()        # wall time, seconds since the epoch (what journals and manifests record)
     clock.monotonic()   # for intervals and deadlines
     clock.sleep(s)      # waiting for Drive to answer again
@@ -66,7 +66,7 @@ class Clock:
 
 
 class _Current:
-    """Forwards to the clock in use (so `from .._clock import clock` keeps working after `use_clock`)."""
+    """Forwards to the clock in use (so `from .clock import clock` keeps working after `use_clock`)."""
 
     impl: Clock = Clock()
 
