@@ -2,7 +2,7 @@
 Drive that reports uploads, one that does not, and one that errs and stalls.
 
     python bench/work_at_risk.py [--minutes 10] [--rates 2e6 20e6] [--save-every 20s] [--vocab 160000]
-                                 [--rows written cloud unconfirmed faulty]
+                                 [--rows written cloud unconfirmed faulty] [--settle 10min]
 
 Work at risk is the training a disconnect would cost right now: the seconds since the newest
 checkpoint *in the cloud* was saved (since the start while there is none). Each configuration
@@ -13,11 +13,13 @@ emulator's cloud folder (the ground truth, not the kit's claims) for the newest 
 manifest and file sizes hold. Needs FUSE (Debian fuse3, mfusepy).
 
 Rows: `written`, the rule before 0.2; `cloud`, the kit on a mount with DriveFS's attributes;
-`unconfirmed`, the kit on a mount without them (its settle rule at the default settle age, 10 min
-plus the size at an assumed 1 MB/s: run it for at least 3 settle ages, `--minutes 35` for ~60 MB
-checkpoints); `faulty`, the kit on a mount with attributes that fails 1 % of reads with EIO, hides
-an entry from 2 % of listings, holds 0.5 % of all operations for 3 s and fails 0.2 % with errno 107.
-"Drive peak" is what the mount held at most (checkpoints, bytes), read from the emulator's cache.
+`unconfirmed`, the kit on a mount without them, which guesses no upload rate (issue 27): it keeps the
+run's oldest checkpoint, every one younger than `--settle`, and one per doubling of age beyond it. Run
+it at rates below the 1 MB/s that the settle rule of 0.3 assumed, for at least 3 of its settle ages
+(`--settle` plus the size at 1 MB/s); `faulty`, the kit on a mount with attributes that fails 1 % of
+reads with EIO, hides an entry from 2 % of listings, holds 0.5 % of all operations for 3 s and fails
+0.2 % with errno 107. "Drive peak" is what the mount held at most (checkpoints, bytes), read from the
+emulator's cache.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from colab_kit.checkpoints.journal import read_events  # noqa: E402
 
 RULES = {"written": "prune once a newer one is written (before 0.2)",
          "cloud": "prune once a newer one is in the cloud",
-         "unconfirmed": "no attributes: prune once a newer one settled",
+         "unconfirmed": "no attributes: the ladder (no rate guessed)",
          "faulty": "in the cloud, on a Drive that errs and stalls"}
 FAULTS = "eio=0.01,vanish=0.02,stall=0.005:3,enotconn=0.002"
 
@@ -61,6 +63,7 @@ def main() -> int:
     parser.add_argument("--vocab", type=int, default=160_000, help="160000: ~60 MB checkpoints")
     parser.add_argument("--step-sleep", type=float, default=0.1)
     parser.add_argument("--rows", nargs="+", default=list(RULES), choices=list(RULES))
+    parser.add_argument("--settle", default="10min", help="start_run(settle=): where the ladder's doubling begins")
     args = parser.parse_args()
     if reason := why_no_fuse():
         print(f"cannot run: {reason}", file=sys.stderr)
@@ -74,7 +77,8 @@ def main() -> int:
                                   faults=FAULTS if rule == "faulty" else "", seed=int(rate)).mount()
             job = harness.Job(where, steps=10**6, save_every=args.save_every, step_sleep=args.step_sleep,
                               drive_root=drive.mountpoint, name="run",
-                              extra=["--vocab", args.vocab, "--prune-after", "written" if rule == "written" else "cloud"])
+                              extra=["--vocab", args.vocab, "--prune-after", "written" if rule == "written" else "cloud",
+                                     "--settle", args.settle])
             configs.append({"rate": rate, "rule": rule, "drive": drive, "job": job, "proc": job.start(),
                             "risk": [], "empty_after_first": 0, "peak": (0, 0)})
     print(f"{len(configs)} runs side by side for {args.minutes:g} min in {root} ...", flush=True)

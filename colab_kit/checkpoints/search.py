@@ -33,9 +33,9 @@ from .manifest import Manifest, write_manifest
 
 __all__ = ["RETRY_WAITS", "Found", "Search", "fetch_checkpoint", "search_checkpoints", "find_latest"]
 
-# Seconds between the looks at a checkpoint that could not be read (EIO, errno 107, a stall) or that
-# misses a file: doubt costs time first (7 s in all, longer than Drive hides a file for).
-RETRY_WAITS = (1.0, 2.0, 4.0)
+# Seconds between the looks at checkpoints that could not be read (EIO, errno 107, a stall) or that miss a
+# file: doubt costs time first (11 s in all, once for a whole search; longer than Drive hides a file for).
+RETRY_WAITS = (1.0, 2.0, 4.0, 4.0)
 log = logging.getLogger(__name__)
 
 
@@ -162,55 +162,78 @@ def search_checkpoints(places: Iterable[tuple[str, Path]], local_root: Path, *, 
             if step is None or found_step == step:
                 candidates.append((found_step, origin == "local", origin, path))
     candidates.sort(key=lambda c: (c[0], c[1]), reverse=True)
-    for found_step, _, origin, path in candidates:
-        confirmed = origin == "drive" and found_step in told.confirmed
-        expected = origin == "drive" and found_step in told.expected
-        found, verdict = _look(found_step, origin, path, local_root, waits, expected)
+    doubtful: list[_Doubt] = []  # newer than anything found so far, and not settled by one look
+    for found_step, _, origin, path in candidates:  # one look at each, newest first, to the first valid one
+        doubt = _Doubt(found_step, origin, path, origin == "drive" and found_step in told.expected,
+                       origin == "drive" and found_step in told.confirmed)
+        found, doubt.verdict = _try_one(found_step, origin, path, local_root)
         if found is not None:
             result.found = found
-            return result
-        if confirmed and verdict.absent or expected and verdict.unknown and not verdict.absent or \
-                confirmed and verdict.state == validity.UNFINISHED:
-            # In the cloud (or written there) as the journal says, and not seen or not read now: never passed over
+            break
+        if doubt.settled():
+            _skip(result, doubt, on_skip, waits)
+        else:
+            doubtful.append(doubt)
+    # What is newer than the one found, and unknown or missing, is looked at again together, spaced in
+    # time: one wait for all of them (a second look each after each wait), the newest valid one wins.
+    for wait in waits:
+        if not doubtful:
+            break
+        clock.sleep(wait)
+        for doubt in list(doubtful):
+            found, doubt.verdict = _try_one(doubt.step, doubt.origin, doubt.path, local_root)
+            if found is not None:  # newer than what was found: it wins, and what is older is moot
+                result.found = found
+                doubtful = [d for d in doubtful if d.step > found.step]
+                break
+            if doubt.settled():
+                doubtful.remove(doubt)
+                _skip(result, doubt, on_skip, waits)
+    for doubt in doubtful:  # newer than what was found, still unknown or missing after every look
+        verdict = doubt.verdict
+        if doubt.confirmed and (verdict.absent or verdict.state == validity.UNFINISHED) or \
+                doubt.expected and verdict.unknown and not verdict.absent:
+            # In the cloud (or written there) as the journal says, and not seen or not read now: never passed
+            # over for an older one, nor for a fresh start
             why = "it is not there at any look" if verdict.absent or verdict.state == validity.UNFINISHED \
                 else verdict.reason
-            result.blocked.append((path, why))
+            result.found = None
+            result.blocked.append((doubt.path, why))
             return result
         if verdict.unknown and not verdict.absent:
-            result.unreadable.append((path, verdict.reason))
-            continue
-        reason = verdict.reason
-        if verdict.absent:  # missing at every look, and never confirmed: an upload that did not finish
-            reason = reason.replace("at this look", f"at every look over {sum(waits):.0f} s") + \
-                " (its upload never finished)"
-        result.skipped.append((path, reason))
-        if on_skip is not None:
-            on_skip(path, reason)
+            result.unreadable.append((doubt.path, verdict.reason))
+        else:
+            _skip(result, doubt, on_skip, waits)
     return result
 
 
-def _look(step: int, origin: str, path: Path, local_root: Path, waits, expected: bool):
-    """(Found, VALID), or (None, the last verdict) after looking again while it is unknown or something is
-    missing (a folder without a manifest that the journal does not expect needs no second look). Each wait
-    of `waits` is spent on read errors, and again on absences: a file back after a moment away gets its
-    full share of tries for a read that fails then."""
-    errors = absences = 0
-    while True:
-        found, verdict = _try_one(step, origin, path, local_root)
-        if found is not None or not (verdict.unknown or verdict.absent):
-            break
-        if verdict.state == validity.UNFINISHED and not expected:
-            break  # never written whole, as the journal says
-        if verdict.absent:
-            if absences >= len(waits):
-                break
-            wait, absences = waits[absences], absences + 1
-        else:
-            if errors >= len(waits):
-                break
-            wait, errors = waits[errors], errors + 1
-        clock.sleep(wait)
-    return found, verdict
+@dataclass
+class _Doubt:
+    """A candidate that one look could not settle."""
+
+    step: int
+    origin: str
+    path: Path
+    expected: bool  # the journal says it was written
+    confirmed: bool  # the journal says it reached the cloud
+    verdict: validity.Verdict | None = None
+
+    def settled(self) -> bool:
+        """Is its last verdict an answer (invalid, or unfinished and never written as the journal says)?"""
+        verdict = self.verdict
+        if verdict.unknown or verdict.absent:
+            return verdict.state == validity.UNFINISHED and not self.expected
+        return True
+
+
+def _skip(result: Search, doubt: _Doubt, on_skip, waits) -> None:
+    reason = doubt.verdict.reason
+    if doubt.verdict.absent:  # missing at every look, and never confirmed: an upload that did not finish
+        reason = reason.replace("at this look", f"at every look over {sum(waits):.0f} s") + \
+            " (its upload never finished)"
+    result.skipped.append((doubt.path, reason))
+    if on_skip is not None:
+        on_skip(doubt.path, reason)
 
 
 def _try_one(step: int, origin: str, path: Path, local_root: Path) -> tuple[Found | None, validity.Verdict]:

@@ -96,6 +96,7 @@ class Mirror(MirrorWorker):
         self.publisher = Publisher(self.run_dir, tracker=self.tracker, journal=journal, notices=notices,
                                    backoff=backoff, on_disconnected=on_disconnected, gate=self.gate,
                                    known_steps=known_steps)
+        self.publisher.on_full = self._make_room
         # The Trainer's best checkpoint (state.best_model_checkpoint): never superseded in the
         # queue nor pruned while it is best. Set from the training loop.
         self.best_step: int | None = None

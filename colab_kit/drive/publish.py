@@ -51,6 +51,7 @@ class Publisher:
         self.run_dir, self.tracker, self.journal, self.notices = Path(run_dir), tracker, journal, notices
         self.backoff, self.on_disconnected, self.gate = backoff, on_disconnected, gate
         self.known_steps = set(known_steps)
+        self.on_full: Callable[[], None] | None = None  # makes room on a full Drive (by the deletion rules)
         self.made: set[Path] = set()  # the folders this writer created
         self.written_step: int | None = None
         self.failures = 0  # consecutive failed attempts
@@ -155,7 +156,13 @@ class Publisher:
     def _check_space(self, snap: Snapshot) -> None:
         # Bytes written but not yet uploaded: known only where DriveFS reports them.
         pending = self.tracker.pending_bytes if self.tracker.kind in (DRIVEFS, API) else 0
-        check_space(self.run_dir, snap.bytes, pending, f"checkpoint-{snap.step}")
+        try:
+            check_space(self.run_dir, snap.bytes, pending, f"checkpoint-{snap.step}")
+        except OSError:
+            if self.on_full is None:
+                raise
+            self.on_full()  # make room by the deletion rules, then ask again
+            check_space(self.run_dir, snap.bytes, pending, f"checkpoint-{snap.step}")
 
     def _written(self, snap: Snapshot, target: Path, manifest: Manifest, started: float) -> Upload:
         seconds = clock.monotonic() - started

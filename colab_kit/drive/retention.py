@@ -110,9 +110,11 @@ class Pruner:
         self.root, self.kind, self.keep, self.gate, self.ladder = Path(root), kind, keep, gate, ladder
         self.last_doubt: str | None = None  # why the last pass deleted nothing, when it was a doubt
 
-    def prune(self, tracker, *, protect: set[int], best: int | None) -> list[int] | None:
+    def prune(self, tracker, *, protect: set[int], best: int | None, tight: bool = False) -> list[int] | None:
         """One pass: delete what the rules allow and the gate proves; returns the steps, or None when a
-        doubt (a failed read, a listing without a checkpoint being followed) stopped the pass."""
+        doubt (a failed read, a listing without a checkpoint being followed) stopped the pass. `tight`: Drive is
+        full, so keep as little as the rules allow (the newest in the cloud; without confirmation, the oldest
+        and the newest), each deletion on the same proof."""
         try:
             listed = {s: p for s, p in list_checkpoints(self.root) if p not in set(self.gate.pending)}
         except OSError as exc:
@@ -121,9 +123,9 @@ class Pruner:
         if followed - set(listed):  # a listing that hides a checkpoint: look again later
             return self._doubt(f"checkpoint-{min(followed - set(listed))} is missing from the listing")
         if self.kind == UNCONFIRMED:
-            plan = self._plan_ladder(listed, protect, best)
+            plan = self._plan_ladder(listed, protect, best, tight)
         else:
-            plan = self._plan_confirmed(tracker, listed, protect, best)
+            plan = self._plan_confirmed(tracker, listed, protect, best, 1 if tight else self.keep)
         if plan is None:
             return None
         doomed, witness, because = plan
@@ -140,12 +142,12 @@ class Pruner:
                 deleted.append(step)
         return deleted
 
-    def _plan_confirmed(self, tracker, listed: dict[int, Path], protect, best):
+    def _plan_confirmed(self, tracker, listed: dict[int, Path], protect, best, keep: int):
         safe = set(listed) if self.kind == PLAIN else tracker.confirmed_steps(verified_only=False)
         verdicts: dict[int, validity.Verdict] = {}
         counted: list[int] = []
         for step in sorted(safe & set(listed), reverse=True):
-            if len(counted) >= self.keep and step != best:
+            if len(counted) >= keep and step != best:
                 continue  # enough counted: only the best still needs a look
             verdict = verdicts[step] = validity.check(listed[step], step=step)
             if verdict.unknown:
@@ -156,7 +158,7 @@ class Pruner:
             else:
                 tracker.forget(f"checkpoint-{step}")  # never claimed in the cloud
         known_bad = {s for s, v in verdicts.items() if not v.valid}
-        doomed = prunable(listed, set(listed) - known_bad, set(counted), self.keep, set(protect), best)
+        doomed = prunable(listed, set(listed) - known_bad, set(counted), keep, set(protect), best)
         if not doomed:
             return [], None, ""
         newest = max(counted)
@@ -166,7 +168,7 @@ class Pruner:
             return self._doubt(f"checkpoint-{newest} could not be read ({exc.strerror or exc})")
         return doomed, witness, f"checkpoint-{newest} is {'in the cloud' if self.kind != PLAIN else 'saved'}"
 
-    def _plan_ladder(self, listed: dict[int, Path], protect, best):
+    def _plan_ladder(self, listed: dict[int, Path], protect, best, tight: bool):
         chosen: dict[int, Chosen] = {}
         for step, path in listed.items():
             try:
@@ -182,7 +184,7 @@ class Pruner:
             return self._doubt(f"checkpoint-{anchor.step}, the oldest, does not verify now ({verdict})")
         written = {s: c.written_at for s, c in finished.items()}
         newest = max(finished.values(), key=lambda c: (c.written_at, c.step)).step
-        kept = ladder(written, clock.time(), self.ladder.base_s) | set(protect) | {newest}
+        kept = ({anchor.step} if tight else ladder(written, clock.time(), self.ladder.base_s)) | set(protect) | {newest}
         if best is not None:
             kept.add(best)
         doomed = sorted(s for s, c in chosen.items() if s not in kept and c.written_at > anchor.written_at)

@@ -171,6 +171,17 @@ class MirrorWorker:
         if in_cloud or self.prune_after == "written" or self.kind == UNCONFIRMED:
             self._prune()
 
+    def _make_room(self) -> None:
+        """Drive has no room for the next checkpoint: keep as little as the rules allow (`Pruner.prune`'s
+        `tight`), each deletion on its proof, and say what went."""
+        protect = {s.step for s in (self._current,) if s is not None} | self.protected
+        gone = self.pruner.prune(self.tracker, protect=protect, best=self.best_step, tight=True)
+        if gone:
+            self.notices.add(f"Drive is full: deleted {', '.join(f'checkpoint-{s}' for s in gone)} to make room "
+                             f"(each once a newer one was safe, as always); fewer checkpoints are kept until there "
+                             f"is room again. Free space at drive.google.com (the Trash counts too)")
+            self.journal.write("warn", what="drive_full", deleted=gone)
+
     def _prune(self) -> None:
         protect = {s.step for s in (self._current,) if s is not None} | self.protected
         done = self.pruner.prune(self.tracker, protect=protect, best=self.best_step)

@@ -24,6 +24,15 @@ from colab_kit.errors import LeaseHeldError
 from colab_kit.tasks.demo import tiny_trainer
 
 
+@pytest.fixture(autouse=True)
+def quick_looks(monkeypatch):
+    """Looks spaced in time, shortened (still longer than the faults below last)."""
+    from colab_kit.checkpoints import looks, search
+
+    monkeypatch.setattr(search, "RETRY_WAITS", (0.2, 0.4, 0.8))
+    monkeypatch.setattr(looks, "WAITS", (0.2, 0.4, 0.8))
+
+
 def foreign_lease(folder: Path, *, heartbeat_s: float = 1.0) -> LeaseInfo:
     info = LeaseInfo(host="other-vm", pid=4242, pid_start=None, session="theirs", started=time.time(),
                      heartbeat=time.time(), heartbeat_s=heartbeat_s)
@@ -191,3 +200,28 @@ def test_finding_10_a_settle_age_of_zero_or_less_is_refused(drive):
     for settle in (0, -5, "0s"):
         with pytest.raises(ValueError, match="settle"):
             ck.start_run("t", drive=drive, settle=settle, quiet=True, gauges=False)
+
+
+def test_finding_10_an_unreadable_best_checkpoint_is_said_so_and_stays_protected(drive, local, drive_faults, capsys):
+    from made import make_checkpoint
+
+    from colab_kit.checkpoints.manifest import Manifest, hash_folder, write_manifest
+
+    checkpoints = drive / "t" / "checkpoints"
+    for step in (10, 20, 30):
+        folder = make_checkpoint(checkpoints, step, manifest=False)
+        (folder / "trainer_state.json").write_text(json.dumps({"best_model_checkpoint": "/old-vm/checkpoint-10"}))
+        write_manifest(folder, Manifest(step=step, files=hash_folder(folder)))
+    drive_faults.fail(errno.EIO, ops=["copy_file", "sha256_file", "file_digests"], match="checkpoint-10")
+    run = ck.start_run("t", drive=drive, local_dir=local, keep=1, quiet=True, gauges=False)
+    said = capsys.readouterr().err
+    assert run.resume_manifest.step == 30 and run.resume_best is None
+    assert "checkpoint-10, could not be read now" in said and "is not in" not in said  # before: "not in ... any more"
+    drive_faults.heal()
+    run.mirror.best_step = None  # the Trainer's state dropped the best path it could not find (its on_save says so)
+    run.mirror.adopt_existing()
+    assert run.mirror.drain(10)
+    time.sleep(0.2)
+    steps = {int(p.name.split("-")[1]) for p in checkpoints.iterdir()}
+    assert steps == {10, 30}  # keep=1, and 10 stays: the best, never let go for not being read (before: deleted)
+    run.finish(timeout=10)
