@@ -9,6 +9,7 @@ most the lines not yet flushed, which the local copy still holds.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -23,6 +24,7 @@ __all__ = ["EVENTS", "Journal", "SilentJournal", "read_events", "History", "hist
 
 EVENTS = "events.jsonl"
 _INLINE_WAIT_S = 10.0
+_GONE_S = 60.0  # a journal missing at every look for this long was deleted: a new one starts
 log = logging.getLogger(__name__)
 
 
@@ -45,6 +47,8 @@ class Journal:
         self._pending: list[str] = []
         self._tail_suspect = True  # the first flush mends a line torn by a killed process
         self.stopped: str | None = None  # why nothing more goes to the persistent folder (the lease was lost)
+        self.known_to_exist = False  # the journal file was seen there (missing at one look is then doubt)
+        self._missing_since: float | None = None
         self._lock = threading.Lock()  # the queue: held for microseconds, never across I/O
         self._flushing = threading.Lock()  # one flusher at a time, so lines stay in order
         if self.local_copy is not None:
@@ -112,6 +116,8 @@ class Journal:
                     self.stop_persistent("the run folder is another runtime's now")
                 if held is not True:
                     return False
+            if self.pending and not self._there():
+                return False
             while True:
                 with self._lock:
                     if not self._pending:
@@ -122,6 +128,7 @@ class Journal:
                         self._mend_torn_tail(self.path)
                     storage.append_line(self.path, line)
                     self._tail_suspect = False
+                    self.known_to_exist = True
                 except OSError as exc:
                     self._tail_suspect = True
                     log.debug("journal append to %s failed (%s); %d line(s) wait", self.path, exc, self.pending)
@@ -130,6 +137,26 @@ class Journal:
                     self._pending.pop(0)
         finally:
             self._flushing.release()
+
+
+    def _there(self) -> bool:
+        """May lines be appended now? A journal that was there and is missing at this look is doubt: an append
+        would start a new file over it (Drive hides files for a moment). After `_GONE_S` of looks it is
+        taken as gone (deleted by hand) and a new one is started."""
+        try:
+            there = storage.exists(self.path)
+        except OSError:
+            return False
+        if there or not self.known_to_exist:
+            self._missing_since = None
+            return True
+        now = clock.monotonic()
+        self._missing_since = self._missing_since or now
+        if now - self._missing_since < _GONE_S:
+            return False
+        log.warning("colab_kit: %s was not there for %.0f s; a new journal starts", self.path, now - self._missing_since)
+        self.known_to_exist, self._missing_since = False, None
+        return True
 
 
 class SilentJournal(Journal):
@@ -166,6 +193,7 @@ class History:
     synced: set[int] = field(default_factory=set)
     confirmed: set[int] = field(default_factory=set)
     started: bool = False  # a runtime opened the run before (an empty listing is then looked at again)
+    found: bool = False  # the journal file was there
 
     @property
     def expected(self) -> set[int]:
@@ -211,9 +239,12 @@ def read_history(path: str | Path, local_copy: str | Path | None = None, *, expe
     """
     def look():
         try:
-            return storage.read_bytes(path)
+            raw = storage.read_bytes(path)
         except FileNotFoundError:
             return None
+        if len(raw) != storage.stat(path).st_size:  # a torn read would forget what the journal says
+            raise OSError(errno.EIO, f"{path} was not read whole")
+        return raw
 
     for wait in (*waits, None):
         try:
@@ -231,7 +262,9 @@ def read_history(path: str | Path, local_copy: str | Path | None = None, *, expe
         except OSError:
             pass  # the local copy only adds what Drive has not got yet
     events.sort(key=lambda e: e.get("time", 0.0) if isinstance(e.get("time"), (int, float)) else 0.0)
-    return history(events)
+    told = history(events)
+    told.found = raw is not None
+    return told
 
 
 def _parse(raw: bytes) -> list[dict]:

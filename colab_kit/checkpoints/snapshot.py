@@ -53,7 +53,7 @@ def stamp(path: Path) -> tuple[int, int]:
 
 
 def take_snapshot(source: str | Path, snapshots_root: str | Path, step: int,
-                  fingerprint: dict | None = None, kit_state: dict | None = None) -> Snapshot:
+                  fingerprint: dict | None = None, kit_state: dict | None = None, taken: float | None = None) -> Snapshot:
     """Hard-link (or copy) every file of `source` into `snapshots_root/checkpoint-<step>`.
 
     Hard links cost no time or space and survive the Trainer deleting `source`. They share
@@ -76,6 +76,8 @@ def take_snapshot(source: str | Path, snapshots_root: str | Path, step: int,
         stamps[name] = stamp(dst)
     snap = Snapshot(step=step, path=target, fingerprint=dict(fingerprint or {}), stamps=stamps,
                     source=source, kit_state=dict(kit_state or {}))
+    if taken is not None:  # a checkpoint saved before (found at a restart): its manifest stays the same bytes
+        snap.taken = taken
     # Written whole (temp + rename) but not fsynced: it guards against a dead process, whose page cache
     # the VM keeps, and an fsync right after a large save can wait for all of it to reach the disk.
     storage.atomic_write_bytes(_record(snap.path), json.dumps(

@@ -56,7 +56,7 @@ def read_lease(path: str | Path) -> LeaseInfo | None:
     Raises:
         OSError: the file could not be read. ValueError: it holds no lease (torn or foreign).
     """
-    path = Path(path)
+    path = path if isinstance(path, Path) else Path(path)
     if path.name != LEASE:
         path = path / LEASE
     try:

@@ -117,7 +117,7 @@ class Publisher:
 
     def _state(self, target: Path, manifest: Manifest) -> str:
         """"same", "repair" (the same manifest, a file missing or damaged), "other" (another manifest) or
-        "new" (no manifest: every look agrees, or this writer made the folder)."""
+        "new" (no manifest: every look agrees where one may be, or this writer made the folder)."""
         def look():
             try:
                 return storage.read_bytes(target / MANIFEST)
@@ -138,10 +138,11 @@ class Publisher:
         return "same" if verdict.valid else "repair"
 
     def _known(self, target: Path) -> bool:
-        """Is a checkpoint at `target` possible? (The journal, or the folder as followed, say one was there.)
-        A step nobody wrote needs one look only: this runtime holds the lease."""
+        """May `target` hold a checkpoint? (The journal says one was written, or the folder was followed.) A
+        step the journal never saw written needs one look only: this runtime holds the lease, and a folder
+        left without a manifest by a killed upload is just that."""
         step = int(target.name.split("-")[-1])
-        return step in self.known_steps or step in self.tracker.checkpoint_steps() or storage.exists(target)
+        return step in self.known_steps or step in self.tracker.checkpoint_steps()
 
     def _replace(self, target: Path, snap: Snapshot, manifest: Manifest) -> bool:
         newest = self.tracker.newest_in_cloud()

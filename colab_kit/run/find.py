@@ -57,6 +57,7 @@ def find_resume(name: str, drive_dir: Path, local: Path, *, resume, notices: Not
                          f"which checkpoints reached the cloud is unknown; nothing was started, moved or deleted. "
                          f"Run this cell again once Drive answers (if the mount itself is stuck: Runtime -> "
                          f"Restart session)") from exc
+    journal.known_to_exist = told.found  # from now on, a journal missing at one look is doubt
     if resume is False:
         return Finding(None, told, places, None)
 

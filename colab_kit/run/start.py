@@ -281,7 +281,8 @@ def _take(run: Run, found: Found) -> None:
         # Found on local disk (a kernel restart on the same VM): its upload may never have
         # finished, so queue it; the uploader skips it when Drive already has it.
         run.mirror.submit(take_snapshot(found.path, run.local_dir / SNAPSHOTS, found.step,
-                                        found.manifest.fingerprint, found.manifest.kit_state))
+                                        found.manifest.fingerprint, found.manifest.kit_state,
+                                        taken=found.manifest.created))
 
 
 def _summary(run: Run, found: Found | None, replaced, because: str | None, archived: Path | None,
