@@ -238,6 +238,9 @@ def main() -> None:
     parser.add_argument("--timings", default=None)
     parser.add_argument("--best", choices=["min", "max"], default=None,
                         help="load_best_model_at_end with early stopping, the metric minimised or maximised")
+    parser.add_argument("--look-spacing", type=float, default=None,
+                        help="the first wait between looks (the kit's: 1 s); the emulator hides an entry from one "
+                             "listing at a time, so shorter spacing is still spaced enough there")
     args = parser.parse_args()
     args.save_every = int(args.save_every) if args.save_every.isdigit() else args.save_every
     if args.hostname:  # before colab_kit reads it: this job runs "on another VM"
@@ -247,6 +250,11 @@ def main() -> None:
     import colab_kit.run.start
 
     colab_kit.run.start._PRUNE_AFTER = args.prune_after
+    if args.look_spacing is not None:
+        from colab_kit.checkpoints import looks, search
+
+        step = args.look_spacing
+        looks.WAITS, search.RETRY_WAITS = (step, 2 * step, 3 * step), (step, 2 * step, 4 * step, 4 * step)
     killer = Killer(args.kill)
     install_kill_hooks(killer, Path(args.drive).absolute())
     model, step = (run_trainer if args.loop == "trainer" else run_plain)(args, killer)
