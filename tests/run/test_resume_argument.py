@@ -98,6 +98,7 @@ def test_a_path_resumes_from_that_checkpoint_after_checking_it(drive, local, str
 def test_a_damaged_or_missing_path_is_refused_with_nothing_changed(drive, local):
     crashed_run(drive, local)
     run = start(drive, local, "r", save_every=5, quiet=True)
+    assert run.mirror.drain(10)  # its first pass over the folder is done (a damaged old one would go in it)
     damaged = run.drive_dir / "checkpoints" / "checkpoint-5"
     weights_file = next(p for p in damaged.iterdir() if p.name.endswith(".safetensors"))
     weights_file.write_bytes(weights_file.read_bytes()[:-8])
