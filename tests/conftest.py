@@ -44,6 +44,17 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
+@pytest.fixture(autouse=True)
+def quick_looks(monkeypatch):
+    """Looks spaced in time (absence is not evidence), a tenth as long in tests that run the kit in this
+    process: the faults they inject last one read, or less than these waits. The simulator
+    (tests/sim/, test_simulation.py) puts the kit's own spacing back: there files hide for seconds."""
+    from colab_kit.checkpoints import looks, search
+
+    monkeypatch.setattr(search, "RETRY_WAITS", tuple(w / 10 for w in search.RETRY_WAITS))
+    monkeypatch.setattr(looks, "WAITS", tuple(w / 10 for w in looks.WAITS))
+
+
 @pytest.fixture
 def emulated_drive(tmp_path):
     """Makes DriveFS emulators: `emulated_drive(rate=4e6, quota=None, attrs=True)` returns a mounted

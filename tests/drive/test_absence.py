@@ -23,15 +23,6 @@ from colab_kit.drive.drivefs import PLAIN, UNCONFIRMED, folder_kind
 from colab_kit.tasks.demo import tiny_trainer
 
 
-@pytest.fixture(autouse=True)
-def quick_looks(monkeypatch):
-    """Looks spaced in time, shortened (still longer than the faults below last)."""
-    from colab_kit.checkpoints import looks, search
-
-    monkeypatch.setattr(search, "RETRY_WAITS", (0.2, 0.4, 0.8))
-    monkeypatch.setattr(looks, "WAITS", (0.2, 0.4, 0.8))
-
-
 def trained(drive, local, name="t", steps=20, keep=3):
     """A finished run with checkpoints every 10 steps on `drive`; its run folder."""
     run = ck.start_run(name, drive=drive, local_dir=local / name, save_every=10, keep=keep, quiet=True, gauges=False)
@@ -131,14 +122,14 @@ def test_finding_3_without_attributes_the_cloud_keeps_one_at_a_tenth_of_the_assu
                       extra=["--vocab", "5000", "--keep", "1", "--settle", "2s", "--assumed-rate", "1MB/s"])
     proc = job.start()
     seen = []
-    deadline = time.monotonic() + 45
+    deadline = time.monotonic() + 35
     while proc.poll() is None and time.monotonic() < deadline:
         steps = {s for s, p in list_checkpoints(drive.cloud / job.name / "checkpoints") if verify_folder(p) is None}
         seen.append(bool(steps))
         time.sleep(0.25)
     proc.kill()
     proc.communicate()
-    assert True in seen, "no checkpoint reached the cloud in 45 s: the test's rates are off"
+    assert True in seen, "no checkpoint reached the cloud in 35 s: the test's rates are off"
     first = seen.index(True)
     assert all(seen[first:]), "the cloud held no valid checkpoint for a moment, after one was complete"
     kept = [e for e in job.local_events() if e["event"] == "prune"]

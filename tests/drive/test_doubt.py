@@ -33,14 +33,6 @@ from colab_kit.run.registry import unregister
 from colab_kit.tasks.demo import tiny_trainer
 
 
-@pytest.fixture(autouse=True)
-def quick_retries(monkeypatch):
-    from colab_kit.checkpoints import looks, search
-
-    monkeypatch.setattr(search, "RETRY_WAITS", (0.05, 0.05, 0.05))
-    monkeypatch.setattr(looks, "WAITS", (0.05, 0.05, 0.05))
-
-
 def train_run(drive, local, name="t", steps=30, **kw):
     """A finished run with checkpoints every 10 steps on `drive`."""
     run = ck.start_run(name, drive=drive, local_dir=local / name, save_every=10, quiet=True, gauges=False, **kw)

@@ -24,15 +24,6 @@ from colab_kit.errors import LeaseHeldError
 from colab_kit.tasks.demo import tiny_trainer
 
 
-@pytest.fixture(autouse=True)
-def quick_looks(monkeypatch):
-    """Looks spaced in time, shortened (still longer than the faults below last)."""
-    from colab_kit.checkpoints import looks, search
-
-    monkeypatch.setattr(search, "RETRY_WAITS", (0.2, 0.4, 0.8))
-    monkeypatch.setattr(looks, "WAITS", (0.2, 0.4, 0.8))
-
-
 def foreign_lease(folder: Path, *, heartbeat_s: float = 1.0) -> LeaseInfo:
     info = LeaseInfo(host="other-vm", pid=4242, pid_start=None, session="theirs", started=time.time(),
                      heartbeat=time.time(), heartbeat_s=heartbeat_s)

@@ -19,8 +19,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sim"))
 from old_rules import OLD_RULES, patched  # noqa: E402
 from simulate import report, run_seeds  # noqa: E402
 
+from colab_kit.checkpoints import looks, search  # noqa: E402
+
+KIT_RETRY_WAITS, KIT_WAITS = search.RETRY_WAITS, looks.WAITS  # read at import, before any fixture patches them
+
 SCHEDULES = 10_000
 CHUNKS = 8  # run side by side by pytest's workers
+
+
+@pytest.fixture(autouse=True)
+def the_kits_own_spacing(monkeypatch):
+    """The kit's own looks (conftest shortens them for in-process tests): on the virtual clock they cost
+    nothing, and the simulated Drive hides files for up to 4 s."""
+    from colab_kit.checkpoints import looks, search
+
+    monkeypatch.setattr(search, "RETRY_WAITS", KIT_RETRY_WAITS)
+    monkeypatch.setattr(looks, "WAITS", KIT_WAITS)
 
 
 @pytest.mark.slow
