@@ -133,8 +133,10 @@ FAULTS = "eio=0.01,vanish=0.02,stall=0.005:3,enotconn=0.002"
 
 
 @pytest.mark.parametrize("attrs", [True, False], ids=["attributes", "no-attributes"])
-@pytest.mark.parametrize("rate", [1.5e6, 7.5e6], ids=["1.5MBps", "7.5MBps"])
-def test_a_faulty_drive_costs_time_never_a_checkpoint(tmp_path, emulated_drive, heavy_reference, attrs, rate):
+def test_a_faulty_drive_costs_time_never_a_checkpoint(tmp_path, emulated_drive, heavy_reference, attrs):
+    # At 7.5 MB/s (~1 s a checkpoint): the slow-upload backlog with faults is the simulator's to cover, over
+    # thousands of schedules (tests/drive/test_simulation.py); here, the real FUSE mount and training.
+    rate = 7.5e6
     drive = emulated_drive(rate=rate, attrs=attrs, faults=FAULTS, seed=int(rate) + attrs)
     # Kills land anywhere from the first save to past one checkpoint's upload time (~8 MB).
     seen = disconnect_scenario(tmp_path, drive, heavy_reference, seed=7, delay=2.0 + SIZE / rate, kills_wanted=6)
@@ -318,13 +320,14 @@ def test_status_shows_what_is_in_the_cloud_and_what_is_pending(tmp_path, emulate
     assert read_manifest(drive.cloud / "seen" / "checkpoints" / "checkpoint-10").step == 10
 
 
-@pytest.mark.parametrize("rate", [1.5e6, 7.5e6], ids=["1.5MBps", "7.5MBps"])
 def test_disconnects_with_api_confirmation_never_lose_the_cloud_checkpoint(tmp_path, emulated_drive, heavy_reference,
-                                                                          monkeypatch, rate):
+                                                                          monkeypatch):
     """Issue 10's disconnect scenario on a mount without attributes, confirmed through the API: 8+
     kills of the job and the emulator together; every `cloud` claim is complete in the cloud at the next
     kill, each restart resumes from the newest valid cloud checkpoint, the weights are an uninterrupted
-    run's (`disconnect_scenario` checks all of it)."""
+    run's (`disconnect_scenario` checks all of it). At 7.5 MB/s; the slow-upload backlog, confirmed through the
+    API with its 403s and 5xx, is the simulator's to cover."""
+    rate = 7.5e6
     drive = emulated_drive(rate=rate, attrs=False)
     server = DriveApiServer(drive.cloud, drive.trash).start()
     monkeypatch.setenv("COLAB_KIT_DRIVE_API", server.url)
@@ -340,5 +343,4 @@ def test_disconnects_with_api_confirmation_never_lose_the_cloud_checkpoint(tmp_p
     assert seen["claims"] > 0 and clouds and all(e["via"] == "api" for e in clouds)
     calls = [e["api_calls"] for e in clouds]
     print(f"{seen['kills']} kills, {seen['claims']} cloud claims, API calls per confirmed checkpoint: {calls}")
-    if rate >= 7.5e6:
-        assert max(calls) <= 10, calls
+    assert max(calls) <= 10, calls
