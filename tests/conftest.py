@@ -77,6 +77,14 @@ def emulated_drive(tmp_path):
         drive.unmount()
 
 
+@pytest.fixture(scope="session")
+def shared_tmp(tmp_path_factory) -> Path:
+    """A folder of this test session that every pytest-xdist worker sees (each worker has its own basetemp
+    below it): for what one worker computes once and the others read."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
 @pytest.fixture
 def drive(tmp_path) -> Path:
     """A temp folder standing in for MyDrive/colab_kit."""

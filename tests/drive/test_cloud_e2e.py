@@ -76,8 +76,9 @@ def reported_in_cloud(events: list, reported: set[int]) -> set[int]:
 
 
 @pytest.fixture(scope="module")
-def heavy_reference(tmp_path_factory):
-    return harness.reference_weights(tmp_path_factory.mktemp("ref"), "trainer", steps=60, save_every=5, extra=HEAVY)
+def heavy_reference(tmp_path_factory, shared_tmp):
+    return harness.reference_weights(tmp_path_factory.mktemp("ref"), "trainer", steps=60, save_every=5, extra=HEAVY,
+                                     shared=shared_tmp)  # computed once for every worker
 
 
 def disconnect_scenario(tmp_path, drive, reference, *, seed: int, kills_wanted: int = 8, delay: float = 9.0,

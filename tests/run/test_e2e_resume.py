@@ -15,12 +15,13 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def references(tmp_path_factory):
+def references(tmp_path_factory, shared_tmp):
     cache = {}
 
     def get(loop):
         if loop not in cache:
-            cache[loop] = harness.reference_weights(tmp_path_factory.mktemp(f"ref-{loop}"), loop)
+            cache[loop] = harness.reference_weights(tmp_path_factory.mktemp(f"ref-{loop}"), loop,
+                                                    shared=shared_tmp)
         return cache[loop]
 
     return get

@@ -188,8 +188,24 @@ def max_abs_diff(a: dict, b: dict) -> float:
 
 
 def reference_weights(root: Path, loop: str, steps: int = 60, save_every: int | str = 10,
-                      extra: list | None = None) -> dict:
-    """Final weights of an uninterrupted run."""
+                      extra: list | None = None, shared: Path | None = None) -> dict:
+    """Final weights of an uninterrupted run. With `shared` (a folder every pytest worker sees), the first
+    worker that needs a reference computes it and the others wait for it and read it (a file lock)."""
+    if shared is None:
+        return _reference(root, loop, steps, save_every, extra)
+    import fcntl
+
+    key = "-".join(map(str, (loop, steps, save_every, *(extra or [])))).replace("/", "_")
+    cached = shared / f"reference-{key}.safetensors"
+    with open(shared / f"reference-{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not cached.exists():
+            _reference(root, loop, steps, save_every, extra)
+            shutil.copy(root / "final.safetensors", cached)
+    return load_weights(cached)
+
+
+def _reference(root: Path, loop: str, steps: int, save_every, extra) -> dict:
     root.mkdir(parents=True, exist_ok=True)
     job = Job(root, loop=loop, steps=steps, save_every=save_every, name="reference", extra=list(extra or []))
     code, text = job.run()

@@ -94,9 +94,9 @@ def make_schedule(seed: int, long_share: float = 0.02) -> Schedule:
         restarts=times(rng.choice((0, 0, 1))),
         takeovers=[(t, rng.random() < 0.5) for t in times(rng.choice((0, 0, 0, 1)))],
         deterministic=rng.random() < 0.8, hide_at_open=rng.choice((0.0, 0.3, 0.6)),
-        heartbeat_s=rng.choice((30.0, 60.0, 120.0)), retry_s=interval,
+        heartbeat_s=rng.choice((30.0, 60.0, 120.0, 120.0)), retry_s=interval,
         # The workers are called when they ask, or later (threads are late): a few times a save interval.
-        min_gap_s=interval / 5)
+        min_gap_s=interval / 4)
     if schedule.api:
         schedule.api_fail = rng.choice((0.0, 0.05, 0.2))
         schedule.api_outages = [(t, rng.uniform(30, 600)) for t in times(rng.choice((0, 0, 1, 2)))]

@@ -145,6 +145,7 @@ class World:
                         self.at(self.clock.t + 1.0, kind, rt, payload)
                     continue
                 self.clock.t = max(self.clock.t, t)
+                self.drive.advance(self.clock.t)  # Drive's uploads up to now, before anything happens
                 self._do(kind, rt, payload)
                 self.invariants.after_event()
             self.invariants.at_end()
@@ -163,6 +164,7 @@ class World:
                 self.at(until + 0.5, kind, rt, payload)
                 continue
             self.clock.t = max(self.clock.t, t)
+            self.drive.advance(self.clock.t)
             self._do(kind, rt, payload)
         self.clock.t = max(self.clock.t, until)
 
