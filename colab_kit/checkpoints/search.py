@@ -8,8 +8,8 @@ and says which ones were skipped and why. Doubt costs time, never an older check
   never taken for "nothing there".
 - Absence is not evidence (`looks.py`). The run's journal says which checkpoints should be there
   (written, not pruned) and which were confirmed in the cloud (`journal.History`). A listing that lacks
-  one of them is looked at again, spaced in time, and so is a checkpoint whose manifest or files are
-  missing at one look.
+  one of them is looked at again, spaced in time, and so is every checkpoint on Drive, newer than the
+  one found, whose manifest or files are missing at one look (all of them together: one wait a search).
 - A checkpoint the journal confirmed in the cloud is never passed over because it cannot be seen or
   read now, nor one it says was written that cannot be read: the search stops there (`Search.blocked`)
   instead of resuming from an older one. (One written, never confirmed, and missing at every look is an
@@ -219,10 +219,12 @@ class _Doubt:
     verdict: validity.Verdict | None = None
 
     def settled(self) -> bool:
-        """Is its last verdict an answer (invalid, or unfinished and never written as the journal says)?"""
+        """Is its last verdict an answer? Invalid is; a manifest missing on local disk is (a save the process
+        never finished); on Drive a missing manifest is one look's answer, whatever the journal says (its
+        line may have died with the runtime that wrote the checkpoint)."""
         verdict = self.verdict
         if verdict.unknown or verdict.absent:
-            return verdict.state == validity.UNFINISHED and not self.expected
+            return verdict.state == validity.UNFINISHED and self.origin == "local"
         return True
 
 

@@ -45,7 +45,7 @@ def settle_rule(patch) -> None:
     """Finding 3: without attributes, a checkpoint counted as settled `settle` plus its size at the assumed
     rate (1 MB/s) after it was written, and older ones were deleted once a newer one settled."""
 
-    def plan(self, listed, protect, best):
+    def plan(self, listed, protect, best, tight=False):
         now = clock.time()
         settled, chosen = set(), {}
         for step, path in listed.items():

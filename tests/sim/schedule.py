@@ -78,6 +78,13 @@ def make_schedule(seed: int, long_share: float = 0.02) -> Schedule:
     factor = math.exp(rng.uniform(math.log(0.05), math.log(10.0)))  # 1/20 to 10 intervals per upload
     rate = size * 4 / 3 / (interval * factor)
     pace = size * 4 / 3 / (interval * rng.uniform(0.2, 2.0))
+    settle = rng.choice((300.0, 600.0))
+    if mode in ("none", "other") and not long:
+        # Where nothing confirms uploads, what a settle age has to do with the upload time matters (issue 27,
+        # finding 3): settle ages shorter than an upload, in runs long enough for a few uploads to land.
+        upload_s = interval * factor
+        settle = upload_s * rng.uniform(0.3, 1.2)
+        duration = max(duration, min(upload_s * rng.uniform(2, 4), interval * 16))
     faults = FaultRates(eio=rng.choice((0.0, 0.01, 0.03)), short=rng.choice((0.0, 0.02, 0.05)),
                         torn=rng.choice((0.0, 0.0, 0.01)), stall=rng.choice((0.0, 0.005)),
                         stall_s=rng.uniform(1, 10), write_eio=rng.choice((0.0, 0.01)))
@@ -87,7 +94,7 @@ def make_schedule(seed: int, long_share: float = 0.02) -> Schedule:
 
     schedule = Schedule(
         seed=seed, mode=mode, duration=duration, interval_s=interval, size=size, rate=rate, pace_bps=pace,
-        keep=rng.choice((1, 1, 2, 3)), settle_s=rng.choice((300.0, 600.0)), faults=faults,
+        keep=rng.choice((1, 1, 2, 3)), settle_s=settle, faults=faults,
         hides=[(t, rng.uniform(0.2, 4.0)) for t in times(rng.randrange(0, int(duration / interval) + 2))],
         outages=[(t, rng.uniform(5, 60)) for t in times(rng.choice((0, 0, 1, 2)))],
         disconnects=times(rng.choice((0, 1, 1, 2, 3, 4))),
