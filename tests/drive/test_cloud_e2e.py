@@ -152,7 +152,8 @@ def test_a_faulty_drive_costs_time_never_a_checkpoint(tmp_path, emulated_drive, 
 
 def test_a_stalled_drive_never_stalls_the_training_loop(tmp_path, emulated_drive):
     # Every operation of the mount held for 5 s, twice, while the job trains and saves every 2 steps.
-    drive = emulated_drive(rate=20e6, stall_s=5.0)
+    stall_s = 5.0
+    drive = emulated_drive(rate=20e6, stall_s=stall_s)
     timings = tmp_path / "timings.txt"
     job = harness.Job(tmp_path, steps=160, save_every=2, step_sleep=0.1, drive_root=drive.mountpoint,
                       extra=["--timings", str(timings)])
@@ -162,13 +163,16 @@ def test_a_stalled_drive_never_stalls_the_training_loop(tmp_path, emulated_drive
     for _ in range(2):
         stalls.append(time.time())
         drive.stall()
-        time.sleep(6.0)
+        time.sleep(stall_s + 1.0)
     text, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, text[-3000:]
     steps = [tuple(map(float, line.split())) for line in timings.read_text().splitlines()]
-    during = [seconds for _, seconds, at in steps if any(t <= at <= t + 5.0 for t in stalls)]
+    during = [seconds for _, seconds, at in steps if any(t <= at <= t + stall_s for t in stalls)]
     assert len(during) >= 10, "the loop kept stepping while the mount stalled"
-    assert max(during) < 1.0, max(during)  # the longest pause of the loop while Drive stood still
+    # A loop that waited on the mount would pause for the rest of a stall: ~5 s at the first save in it.
+    # The bound is half that, not a step's usual ~0.1 s: a step (its local save and pruning included) took
+    # up to 1.4 s on a 2-core CI machine shared with the other test workers.
+    assert max(during) < stall_s / 2, max(during)  # the longest pause of the loop while Drive stood still
     assert any(f["fault"] == "signal_stall" for f in drive.faults_seen())
 
 
