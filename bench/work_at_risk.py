@@ -77,8 +77,8 @@ def main() -> int:
                                   faults=FAULTS if rule == "faulty" else "", seed=int(rate)).mount()
             job = harness.Job(where, steps=10**6, save_every=args.save_every, step_sleep=args.step_sleep,
                               drive_root=drive.mountpoint, name="run",
-                              extra=["--vocab", args.vocab, "--prune-after", "written" if rule == "written" else "cloud",
-                                     "--settle", args.settle])
+                              extra=["--vocab", args.vocab, "--settle", args.settle,
+                                     "--prune-after", "written" if rule == "written" else "cloud"])
             configs.append({"rate": rate, "rule": rule, "drive": drive, "job": job, "proc": job.start(),
                             "risk": [], "empty_after_first": 0, "peak": (0, 0)})
     print(f"{len(configs)} runs side by side for {args.minutes:g} min in {root} ...", flush=True)

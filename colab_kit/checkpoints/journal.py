@@ -154,7 +154,8 @@ class Journal:
         self._missing_since = self._missing_since or now
         if now - self._missing_since < _GONE_S:
             return False
-        log.warning("colab_kit: %s was not there for %.0f s; a new journal starts", self.path, now - self._missing_since)
+        log.warning("colab_kit: %s was not there for %.0f s; a new journal starts",
+                    self.path, now - self._missing_since)
         self.known_to_exist, self._missing_since = False, None
         return True
 

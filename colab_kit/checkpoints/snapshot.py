@@ -53,7 +53,8 @@ def stamp(path: Path) -> tuple[int, int]:
 
 
 def take_snapshot(source: str | Path, snapshots_root: str | Path, step: int,
-                  fingerprint: dict | None = None, kit_state: dict | None = None, taken: float | None = None) -> Snapshot:
+                  fingerprint: dict | None = None, kit_state: dict | None = None,
+                  taken: float | None = None) -> Snapshot:
     """Hard-link (or copy) every file of `source` into `snapshots_root/checkpoint-<step>`.
 
     Hard links cost no time or space and survive the Trainer deleting `source`. They share

@@ -79,7 +79,8 @@ class CloudTracker:
             self._items.append(upload)
             if upload.step is not None:
                 self.last_bytes = upload.bytes
-            upload.next_poll = clock.monotonic() + (self._first_api_poll(upload) if self.api is not None else POLL_MIN_S)
+            first = self._first_api_poll(upload) if self.api is not None else POLL_MIN_S
+            upload.next_poll = clock.monotonic() + first
             if confirmed:
                 upload.confirmed, upload.confirmed_at, upload.pending_bytes = clock.monotonic(), clock.time(), 0
                 return True

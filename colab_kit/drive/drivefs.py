@@ -36,8 +36,8 @@ from .._units import format_bytes
 from ..checkpoints import storage
 
 __all__ = ["UNCOMMITTED", "ITEM_ID", "MD5", "DRIVEFS", "UNCONFIRMED", "PLAIN", "API", "FileUpload", "cloud_id",
-           "read_upload", "folder_kind", "probe_kind", "is_drive_mount", "is_local_filesystem", "LOCAL_FILESYSTEMS", "in_cloud",
-           "describe_kind", "check_space"]
+           "read_upload", "folder_kind", "probe_kind", "is_drive_mount", "is_local_filesystem", "LOCAL_FILESYSTEMS",
+           "in_cloud", "describe_kind", "check_space"]
 
 UNCOMMITTED = "user.drive.uncommitted"
 ITEM_ID = "user.drive.id"

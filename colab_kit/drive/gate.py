@@ -228,7 +228,8 @@ class CheckpointGate:
                 done, _ = in_cloud(witness.path, cloud_files(witness.path, manifest), DRIVEFS)
             else:
                 return f"nothing confirms uploads on a folder of kind {self.kind}"
-        except Exception as exc:  # noqa: BLE001 - a failed read (OSError, ApiUnavailable, an ambiguous folder) is unknown
+        # A failed read (OSError, ApiUnavailable, an ambiguous folder) is unknown.
+        except Exception as exc:  # noqa: BLE001
             return f"whether {witness.path.name} is in the cloud could not be read now ({exc})"
         return None if done else f"{witness.path.name} is not in the cloud now"
 

@@ -7,7 +7,6 @@ fails on f65fb4d.
 """
 
 import errno
-import os
 import time
 from pathlib import Path
 

@@ -9,7 +9,6 @@ import time
 import pytest
 from made import make_checkpoint
 
-from colab_kit.checkpoints.clock import clock
 from colab_kit.checkpoints import storage
 from colab_kit.checkpoints.journal import Journal, read_events
 from colab_kit.checkpoints.manifest import read_manifest
