@@ -184,6 +184,11 @@ class Mirror(MirrorWorker):
         return self._paused
 
     @property
+    def closed(self) -> bool:
+        """Closed by `finish()`: it takes no more checkpoints."""
+        return self._closed
+
+    @property
     def dropped_steps(self) -> list[int]:
         """Steps that will never be written: queued when the lease was lost."""
         return list(self._dropped)

@@ -18,12 +18,41 @@ from .._units import format_age, format_bytes
 from ..checkpoints.checkpoint import checkpoint_dir
 from ..checkpoints.snapshot import SNAPSHOTS, take_snapshot
 from ..distributed import ranks
+from ..errors import ColabKitError
 from .best import restore_best, step_of
 
-__all__ = ["SaveScheduleCallback", "DriveSyncCallback", "GaugesCallback"]
+__all__ = ["SaveScheduleCallback", "DriveSyncCallback", "GaugesCallback", "bind"]
 
 log = logging.getLogger(__name__)
 STRETCH = 1.25  # a stretched interval leaves this much room over the expected upload time
+
+
+def bind(run, trainer) -> list[str]:
+    """Make the trainer's kit callbacks this run's: those of another run are removed, this run's added.
+
+    A trainer outlives its run in a notebook: after the stop button, the `start_run` cell run again
+    makes a new run, and the training cell hands it the trainer still in the kernel, whose callbacks
+    belong to the finished run (its mirror closed). Left there, they would take every save and
+    mirror none. Returns the names of the callbacks replaced."""
+    replaced = []
+    for cb in list(trainer.callback_handler.callbacks):
+        if isinstance(cb, KIT_CALLBACKS) and cb.run is not run:
+            trainer.remove_callback(cb)
+            replaced.append(f"{type(cb).__name__} of run {cb.run.name!r}")
+    present = {type(cb) for cb in trainer.callback_handler.callbacks}
+    for cb in run.callbacks():
+        if type(cb) not in present:
+            trainer.add_callback(cb)
+    return replaced
+
+
+def refuse_closed(run, step: int) -> None:
+    """A save that no uploader will take is an error at once, never a silent drop."""
+    if run._finished:
+        raise ColabKitError(
+            f"checkpoint-{step} was saved for run {run.name!r}, which is finished: nothing would copy it to "
+            f"{run.drive_dir}. Run the start_run cell again, then train with run.train(trainer): it binds "
+            f"the trainer to the new run and resumes from the newest checkpoint")
 
 
 class SaveScheduleCallback(TrainerCallback):
@@ -126,6 +155,7 @@ class DriveSyncCallback(TrainerCallback):
     def on_save(self, args, state, control, **kwargs):
         started = time.perf_counter()
         step = state.global_step
+        refuse_closed(self.run, step)
         folder = checkpoint_dir(Path(args.output_dir), step)
         world = max(1, int(getattr(args, "world_size", 1) or 1))  # the Trainer's: one file per rank it trains on
         per_rank = world > 1 and not getattr(args, "save_only_model", False)  # rng_state_<r>.pth files expected
@@ -199,3 +229,6 @@ class GaugesCallback(TrainerCallback):
         if self.gauges is not None and not self.gauges.closed:
             self.gauges.update(**self._status())
             self.gauges.close(error=error)
+
+
+KIT_CALLBACKS = (SaveScheduleCallback, DriveSyncCallback, GaugesCallback)

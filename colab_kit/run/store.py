@@ -136,6 +136,10 @@ class CheckpointStore:
 
         if self._closed:
             raise CheckpointError("this CheckpointStore is closed; create a new one to save again")
+        if self._mirror.closed:  # the run it came from is finished: nothing would copy this checkpoint
+            raise CheckpointError(f"the run this CheckpointStore belongs to is finished, so checkpoint-{int(step)} "
+                                  f"would never reach {self.dir}: run start_run again and take a new "
+                                  f"store from it (run.checkpoint_store()); it resumes from the newest checkpoint")
         self._adopt()
         step = int(step)
         staging = self.local_dir / f".staging-{step}-{uuid.uuid4().hex[:8]}"

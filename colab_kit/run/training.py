@@ -17,6 +17,7 @@ from ..distributed.resume import agree_resume
 from ..errors import ColabKitError, ResumeMismatchError
 from ..memory.recipes import make_length_grouping_resumable
 from .best import TRAINER_STATE, early_stopped, restore_best
+from .callbacks import bind
 from .fresh import resume_argument, start_over
 
 __all__ = ["train", "trainer_fingerprint", "check_compatible", "adjust_args", "planned_max_steps"]
@@ -40,10 +41,9 @@ def train(run, trainer, *, oom_recovery: bool = True, grow_back_after: int | Non
     if micro_batch is not None and not oom_recovery:
         raise ValueError("micro_batch needs the kit's training step: leave oom_recovery=True, or use "
                          "gradient_accumulation_steps in TrainingArguments instead")
-    present = {type(cb) for cb in trainer.callback_handler.callbacks}
-    for cb in run.callbacks():
-        if type(cb) not in present:
-            trainer.add_callback(cb)
+    replaced = bind(run, trainer)  # a trainer kept from an earlier run of the kernel mirrors into this one
+    if replaced:
+        run.journal.write("warn", what="trainer_rebound", replaced=replaced)
     if run.ranks.distributed and int(getattr(trainer.args, "world_size", 1) or 1) == 1:
         # Every process would train the whole model alone and write the same checkpoint files.
         raise ColabKitError(
