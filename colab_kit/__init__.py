@@ -17,8 +17,8 @@ import sys as _sys
 from .checkpoints.journal import read_events
 from .drive.drivecheck import drive_check
 from .drive.driveapi import DriveApi
-from .errors import (CheckpointError, ColabKitError, ColabKitWarning, DriveError, LeaseHeldError, RankFailedError,
-                     ResumeMismatchError)
+from .errors import (CheckpointError, ColabKitError, ColabKitWarning, DriveError, LeaseHeldError, LeaseLostError,
+                     RankFailedError, ResumeMismatchError)
 from .gauges.gauges import Gauges, plot_history
 from .memory import recipes  # noqa: F401  (ck.recipes.freeze_layers, as notebooks before 0.3 call it)
 from .memory.oom import MicroBatcher, OutOfMemoryError, free_memory, is_oom_error
@@ -63,6 +63,7 @@ __all__ = [
     "ColabKitWarning",
     "DriveError",
     "LeaseHeldError",
+    "LeaseLostError",
     "ResumeMismatchError",
     "CheckpointError",
     "RankFailedError",

@@ -7,6 +7,7 @@ __all__ = [
     "ColabKitWarning",
     "DriveError",
     "LeaseHeldError",
+    "LeaseLostError",
     "ResumeMismatchError",
     "CheckpointError",
     "RankFailedError",
@@ -23,6 +24,10 @@ class DriveError(ColabKitError):
 
 class LeaseHeldError(ColabKitError):
     """Another live runtime is already writing this run's folder."""
+
+
+class LeaseLostError(LeaseHeldError):
+    """Another runtime took this run's folder over while this one trained: training stops here."""
 
 
 class ResumeMismatchError(ColabKitError):

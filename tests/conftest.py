@@ -39,9 +39,15 @@ def _no_fuse(reason: str):
 
 
 def pytest_collection_modifyitems(items):
-    """The long tests (marked slow: subprocesses, notebooks, emulated Drives) first: with several workers
-    the short ones then fill the gaps at the end, instead of one long test running alone."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    """The long tests (marked slow: subprocesses, notebooks, emulated Drives) first, the longest of them
+    (`slow(seconds)`, measured on 2 cores) before the others: with several workers the short ones then fill
+    the gaps at the end, instead of one long test running alone."""
+
+    def order(item):
+        slow = item.get_closest_marker("slow")
+        return (slow is None, -(slow.args[0] if slow is not None and slow.args else 0))
+
+    items.sort(key=order)
 
 
 @pytest.fixture(autouse=True)

@@ -48,6 +48,7 @@ def bind(run, trainer) -> list[str]:
 
 def refuse_closed(run, step: int) -> None:
     """A save that no uploader will take is an error at once, never a silent drop."""
+    run.stop_if_lease_lost(step)
     if run._finished:
         raise ColabKitError(
             f"checkpoint-{step} was saved for run {run.name!r}, which is finished: nothing would copy it to "
@@ -77,6 +78,7 @@ class SaveScheduleCallback(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         self.run.poll()
         step = state.global_step
+        self.run.stop_if_lease_lost(step)
         due = bool(self.run.save_every_steps and step % self.run.save_every_steps == 0)
         if self.run.save_every_s is not None:
             # Each rank's clock differs: rank 0 decides, every rank saves (the Trainer's save is collective).
@@ -149,7 +151,7 @@ class DriveSyncCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if model is not None and self.run.fingerprint is None:  # used without run.train()
-            self.run.check_compatible(model, args)
+            self.run.check_compatible(model, args, total_steps=state.max_steps or None)
         restore_best(self.run.resume_best, args, state)
 
     def on_save(self, args, state, control, **kwargs):

@@ -1,7 +1,8 @@
 """The runs this process has open, one per run folder, and the training clock each carries.
 
-`start_run` registers a run here and closes an earlier open run of the same folder first (a cell
-run twice); `run.finish()` unregisters it. Both import this module, neither imports the other.
+`start_run` registers a run here and closes the kernel's earlier open runs first (a cell run twice, or
+run again under another name: one run at a time trains in a kernel); `run.finish()` unregisters it. Both
+import this module, neither imports the other.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import time
 import weakref
 
-__all__ = ["register", "unregister", "open_run", "TrainClock"]
+__all__ = ["register", "unregister", "open_runs", "TrainClock"]
 
 _OPEN: dict[str, weakref.ref] = {}  # run folder -> the open Run of this process
 
@@ -24,11 +25,10 @@ def unregister(run) -> None:
         del _OPEN[str(run.drive_dir)]
 
 
-def open_run(drive_dir):
-    """The unfinished run of this process on `drive_dir`, or None."""
-    ref = _OPEN.get(str(drive_dir))
-    run = ref() if ref is not None else None
-    return run if run is not None and not run._finished else None
+def open_runs() -> list:
+    """Every unfinished run of this process, oldest first."""
+    runs = (ref() for ref in list(_OPEN.values()))
+    return [run for run in runs if run is not None and not run._finished]
 
 
 class TrainClock:

@@ -21,7 +21,7 @@ from ..drive.lease import Lease, LeaseInfo
 from ..drive.mirror import Mirror
 from ..drive.retention import Ladder
 from ..drive.mount import remount_drive
-from ..errors import ColabKitError
+from ..errors import ColabKitError, LeaseLostError
 from ..runtime import RuntimeInfo
 from .registry import TrainClock
 
@@ -87,7 +87,7 @@ class Run:
         self.micro_batching = None  # the TrainerMicroBatching of the last run.train
         self._callbacks: list | None = None
         self._last_remount = float("-inf")
-        self._told_lease_lost = False
+        self.lost_to: str | None = None  # who took the run folder over, once the lease is lost
         self._finished = False
         self._summary: dict | None = None
         self._pid = os.getpid()  # a forked copy (notebook_launcher) has none of this process's threads
@@ -140,16 +140,18 @@ class Run:
         return train(self, trainer, oom_recovery=oom_recovery, grow_back_after=grow_back_after,
                      micro_batch=micro_batch, **train_kwargs)
 
-    def check_compatible(self, model, args) -> None:
+    def check_compatible(self, model, args, total_steps: int | None = None) -> None:
         """Stop before training when the checkpoint to resume from cannot fit this model and these
-        arguments (different tensor shapes or effective batch), with the call that starts fresh.
+        arguments (different tensor shapes or effective batch), with the call that starts fresh; say how
+        the compatible changes act (a changed learning rate does not: the checkpoint's wins, as in the
+        Trainer). `total_steps`: the Trainer's planned total, for the rate the rebuilt schedule gives.
 
         Raises:
             ResumeMismatchError: what changed, and `ck.start_run(name, resume=False)`.
         """
         from .training import check_compatible
 
-        check_compatible(self, model, args)
+        check_compatible(self, model, args, total_steps)
 
     def save_final(self, model, tokenizer=None, metrics: dict | None = None, retries: int = 3) -> Path:
         """Export the trained model to `<drive_dir>/final/`: safetensors, config, tokenizer, metrics
@@ -202,14 +204,32 @@ class Run:
         self.notices.show()
 
     def _lease_lost(self, holder: LeaseInfo | None) -> None:
-        if self._told_lease_lost:  # the heartbeat and the mirror may both notice
+        """From the heartbeat's or the mirror's thread: another runtime holds the run folder now. The
+        uploader stops for good here; training stops at its next step (`stop_if_lease_lost`)."""
+        if self.lost_to is not None:  # the heartbeat and the mirror may both notice
             return
-        self._told_lease_lost = True
-        who = f"host {holder.host}, pid {holder.pid}" if holder else "another runtime"
-        reason = f"another runtime ({who}) took over {self.drive_dir}; this one stopped syncing"
+        self.lost_to = f"host {holder.host}, pid {holder.pid}" if holder else "another runtime"
+        reason = f"another runtime ({self.lost_to}) took over {self.drive_dir}; this one stopped syncing"
         self.mirror.pause(reason)
-        self.notices.add(reason + ". Checkpoints from now on stay local to this runtime.")
-        self.journal.write("warn", what="lease_lost", holder=who)
+        self.notices.add(reason + ", and stops training at its next step")
+        self.journal.write("warn", what="lease_lost", holder=self.lost_to)
+
+    def stop_if_lease_lost(self, step: int) -> None:
+        """At a step boundary, on the training thread: a runtime that lost the run folder trains no further,
+        so that it never writes beside the runtime that owns it now.
+
+        Raises:
+            LeaseLostError: who took the folder over, where this one's last checkpoint is, and what to do.
+        """
+        if self.lost_to is None:
+            return
+        written = self.mirror.written_step
+        raise LeaseLostError(
+            f"another runtime ({self.lost_to}) took over {self.drive_dir}, so this runtime stopped training at "
+            f"step {step}: from now on, only that runtime writes the run folder"
+            + (f" (its newest checkpoint from here is checkpoint-{written})" if written is not None else "")
+            + ". Continue in that runtime; or, to take the run back here (that runtime then stops at its next "
+              "step), run the start_run cell again with takeover=True")
 
     # -- the cloud -----------------------------------------------------------------------------
     @property

@@ -35,7 +35,7 @@ from ..errors import DriveError
 from ..runtime import detect_runtime, in_colab
 from .find import RESUME_MODES, fetch_best_of, find_resume, kit_state, set_aside_newer
 from .fresh import archive_checkpoints
-from .registry import TrainClock, open_run, register
+from .registry import TrainClock, open_runs, register
 from .run import Run
 
 __all__ = ["start_run"]
@@ -161,10 +161,7 @@ def start_run(name: str, *, drive: str | os.PathLike | None = None, local_dir: s
                    journal=SilentJournal(), notices=Notices(silent=True), gauges=False,
                    kind=folder_kind(drive_dir, on_drive=on_drive), prune_after=_PRUNE_AFTER, ranks=ranks)
 
-    old = open_run(drive_dir)
-    if old is not None:
-        print(f"colab_kit: closing the earlier open run {name!r} of this kernel first")
-        old.finish(timeout=120, status="restarted")
+    close_earlier_runs(name, drive_dir)
 
     lease, replaced = _claim(name, drive_dir, heartbeat_s, takeover, quiet)
     run, found, archived = open_claimed(name, drive_dir, local, lease=lease, runtime=runtime, on_drive=on_drive,
@@ -179,6 +176,17 @@ def start_run(name: str, *, drive: str | os.PathLike | None = None, local_dir: s
         print(_summary(run, found, replaced, lease.took_over_because, archived, save_every))
     run.notices.show()
     return run
+
+
+def close_earlier_runs(name: str, drive_dir: Path) -> None:
+    """The kernel's earlier open runs are finished first: the start_run cell run again (the same folder),
+    or run under a new name (two open runs would keep two uploaders and two leases until the kernel
+    exits, the first never released)."""
+    for old in open_runs():
+        same = old.drive_dir == drive_dir
+        print(f"colab_kit: finishing this kernel's open run {old.name!r} first"
+              + ("" if same else f", before run {name!r} starts (one open run at a time)"))
+        old.finish(timeout=120, status="reopened" if same else f"replaced by run {name!r}")
 
 
 def open_claimed(name: str, drive_dir: Path, local: Path, *, lease: Lease, runtime, on_drive: bool, confirm,

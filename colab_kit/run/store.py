@@ -32,7 +32,7 @@ from ..checkpoints.journal import EVENTS, Journal, read_history
 from ..checkpoints.snapshot import SNAPSHOTS, take_snapshot
 from ..drive.drivefs import folder_kind
 from ..drive.mirror import Mirror
-from ..errors import CheckpointError, DriveError, ResumeMismatchError
+from ..errors import CheckpointError, DriveError, LeaseLostError, ResumeMismatchError
 from .finish import wait_for_cloud
 
 __all__ = ["CheckpointStore"]
@@ -140,6 +140,10 @@ class CheckpointStore:
             raise CheckpointError(f"the run this CheckpointStore belongs to is finished, so checkpoint-{int(step)} "
                                   f"would never reach {self.dir}: run start_run again and take a new "
                                   f"store from it (run.checkpoint_store()); it resumes from the newest checkpoint")
+        if self._mirror.paused:  # the lease was lost: another runtime writes the folder now
+            raise LeaseLostError(f"{self._mirror.unsynced_reason}: checkpoint-{int(step)} is not saved, and this "
+                                 f"runtime should train no further. Continue in the runtime that took over; or, to "
+                                 f"take the run back here, run the start_run cell again with takeover=True")
         self._adopt()
         step = int(step)
         staging = self.local_dir / f".staging-{step}-{uuid.uuid4().hex[:8]}"

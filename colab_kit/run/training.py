@@ -18,6 +18,7 @@ from ..errors import ColabKitError, ResumeMismatchError
 from ..memory.recipes import make_length_grouping_resumable
 from .best import TRAINER_STATE, early_stopped, restore_best
 from .callbacks import bind
+from .changes import describe_changes
 from .fresh import resume_argument, start_over
 
 __all__ = ["train", "trainer_fingerprint", "check_compatible", "adjust_args", "planned_max_steps"]
@@ -56,7 +57,7 @@ def train(run, trainer, *, oom_recovery: bool = True, grow_back_after: int | Non
         start_over(run)  # from step 0: the run's checkpoints are archived first (never deleted)
     agree_resume(run)  # several processes: every rank resumes from rank 0's checkpoint
     resume = resume_argument(run, resume)  # True: the newest valid one; a path: verified
-    check_compatible(run, trainer.model, trainer.args)
+    check_compatible(run, trainer.model, trainer.args, total_steps=planned_max_steps(trainer))
     adjust_args(run, trainer.args)
     make_length_grouping_resumable(trainer)
     if resume is not None:
@@ -141,8 +142,9 @@ def trainer_fingerprint(model, args) -> dict:
     return fp
 
 
-def check_compatible(run, model, args) -> None:
-    """Stop before training when the checkpoint to resume from cannot fit this setup.
+def check_compatible(run, model, args, total_steps: int | None = None) -> None:
+    """Stop before training when the checkpoint to resume from cannot fit this setup; say how the
+    compatible changes will act (`changes.py`). `total_steps`: the Trainer's planned total, when known.
 
     Raises:
         ResumeMismatchError: different model shapes or effective batch, with the exact
@@ -152,28 +154,30 @@ def check_compatible(run, model, args) -> None:
     if run.resume_manifest is None:
         return
     saved = run.resume_manifest.fingerprint
-    problems, notes = [], []
+    problems = []
     for key, value in run.fingerprint.items():
-        if key not in saved or saved[key] == value or key == "parameters":
+        if key not in saved or saved[key] == value or key not in INCOMPATIBLE:
             continue
-        if key in INCOMPATIBLE:
-            what = INCOMPATIBLE[key]
-            if key == "model":
-                problems.append(f"{what}: {saved.get('parameters', 0):,} parameters then, "
-                                f"{run.fingerprint['parameters']:,} now, different tensors")
-            else:
-                problems.append(f"{what}: {saved[key]} then, {value} now")
+        what = INCOMPATIBLE[key]
+        if key == "model":
+            problems.append(f"{what}: {saved.get('parameters', 0):,} parameters then, "
+                            f"{run.fingerprint['parameters']:,} now, different tensors")
         else:
-            notes.append(f"{key} {saved[key]} -> {value}")
+            problems.append(f"{what}: {saved[key]} then, {value} now")
     if problems:
         raise ResumeMismatchError(
             f"checkpoint-{run.resume_manifest.step} in {run.drive_dir} was made by a different "
             f"setup, so training cannot continue from it: " + "; ".join(problems) + ". "
             f"Restore the old settings to continue, or start fresh (old checkpoints are moved "
             f"to {run.drive_dir / ARCHIVE}): ck.start_run({run.name!r}, resume=False)")
-    if notes:
-        run.notices.add("resuming with changed settings: " + ", ".join(notes))
-        run.journal.write("warn", what="changed_settings", changes=notes)
+    compatible = {k: v for k, v in run.fingerprint.items() if k not in INCOMPATIBLE}
+    said = describe_changes(run, saved, compatible, args, total_steps)
+    for sentence in said:
+        run.notices.add(sentence)
+    if said:
+        changes = [f"{k} {saved[k]} -> {v}" for k, v in compatible.items() if k in saved and saved[k] != v
+                   and k != "parameters"]
+        run.journal.write("warn", what="changed_settings", changes=changes)
         run.notices.show()
 
 

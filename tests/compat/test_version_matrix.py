@@ -14,7 +14,7 @@ import sys
 import pytest
 from project import ROOT
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow(200)
 REQUIRE_ENV = "COLAB_KIT_REQUIRE_MATRIX"  # set by .ci/run: there the matrix must run, not skip
 
 

@@ -123,6 +123,7 @@ def disconnect_scenario(tmp_path, drive, reference, *, seed: int, kills_wanted: 
     return {"kills": kills, "claims": claims, "faults": drive.faults_seen()}
 
 
+@pytest.mark.slow(110)
 def test_disconnects_during_an_upload_backlog_never_lose_the_cloud_checkpoint(tmp_path, emulated_drive,
                                                                             heavy_reference):
     disconnect_scenario(tmp_path, emulated_drive(rate=RATE), heavy_reference, seed=10)
@@ -133,6 +134,7 @@ def test_disconnects_during_an_upload_backlog_never_lose_the_cloud_checkpoint(tm
 FAULTS = "eio=0.01,vanish=0.02,stall=0.005:3,enotconn=0.002"
 
 
+@pytest.mark.slow(150)
 @pytest.mark.parametrize("attrs", [True, False], ids=["attributes", "no-attributes"])
 def test_a_faulty_drive_costs_time_never_a_checkpoint(tmp_path, emulated_drive, heavy_reference, attrs):
     # At 7.5 MB/s (~1 s a checkpoint): the slow-upload backlog with faults is the simulator's to cover, over
@@ -245,6 +247,7 @@ def test_pruning_leaves_only_empty_stubs_in_drives_trash(tmp_path, emulated_driv
     assert [s for s, _ in list_checkpoints(drive.cloud / "pruned" / "checkpoints")] == [24]
 
 
+@pytest.mark.slow(55)
 def test_a_time_interval_stretches_to_the_upload_rate_and_bounds_the_work_at_risk(tmp_path, emulated_drive):
     from transformers import TrainerCallback
 
@@ -325,6 +328,7 @@ def test_status_shows_what_is_in_the_cloud_and_what_is_pending(tmp_path, emulate
     assert read_manifest(drive.cloud / "seen" / "checkpoints" / "checkpoint-10").step == 10
 
 
+@pytest.mark.slow(80)
 def test_disconnects_with_api_confirmation_never_lose_the_cloud_checkpoint(tmp_path, emulated_drive, heavy_reference,
                                                                           monkeypatch):
     """Issue 10's disconnect scenario on a mount without attributes, confirmed through the API: 6+

@@ -178,9 +178,9 @@ def test_finding_10_a_plain_folder_is_not_the_cloud(drive, local, capsys):
 def test_finding_10_finish_after_a_lost_lease_never_says_everything_is_in_the_cloud(drive, local, capsys):
     run = ck.start_run("t", drive=drive, local_dir=local, save_every=5, quiet=True, gauges=False)
     run.mirror.publisher.may_write_next = lambda now, pace: False  # saves wait in the queue
-    trainer = tiny_trainer(run, max_steps=10)
+    tiny_trainer(run, max_steps=10, callbacks=run.callbacks()).train()
     foreign_lease(run.drive_dir)
-    run.train(trainer)
+    assert run.lease.step(run._lease_lost) is False  # the heartbeat finds another runtime's lease: queue dropped
     summary = run.finish(timeout=5)
     out = capsys.readouterr().out
     assert "everything is in the cloud" not in out and "another runtime took over" in out

@@ -42,7 +42,8 @@ def fake_run(save_every_s=None, save_every_steps=None, clock=None, resumed=False
     tracker.last_bytes = last_bytes
     return types.SimpleNamespace(save_every_s=save_every_s, save_every_steps=save_every_steps,
                                  clock=clock or FakeClock(), resume_from="x" if resumed else None,
-                                 poll=lambda: None, mirror=types.SimpleNamespace(tracker=tracker, prune_after="cloud"),
+                                 poll=lambda: None, stop_if_lease_lost=lambda step: None,
+                                 mirror=types.SimpleNamespace(tracker=tracker, prune_after="cloud"),
                                  journal=FakeJournal(), notices=Notices(), save_interval_s=save_every_s)
 
 

@@ -5,6 +5,10 @@ Each test ends by checking that no checkpoint was lost (the persistent folder ho
 the last step saved) and that the message printed names the next action.
 """
 
+import json
+import time
+from dataclasses import asdict
+
 import pytest
 from transformers import TrainerCallback
 
@@ -12,6 +16,7 @@ import colab_kit as ck
 from colab_kit.checkpoints.checkpoint import list_checkpoints
 from colab_kit.checkpoints.journal import read_events
 from colab_kit.checkpoints.validity import verify_folder
+from colab_kit.drive.lease import LEASE, LeaseInfo
 from colab_kit.tasks.demo import tiny_trainer
 
 
@@ -73,3 +78,88 @@ def test_a_store_of_a_finished_run_refuses_to_save(drive, local):
     run.finish(timeout=10)
     with pytest.raises(ck.CheckpointError, match="run start_run again and take a new store"):
         store.save(1, model=torch.nn.Linear(2, 2))
+
+
+class TakeOverAt(TrainerCallback):
+    """Another runtime takes the run folder over at `step`; this runtime's heartbeat then finds it."""
+
+    def __init__(self, run, step):
+        self.run, self.step = run, step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            foreign_lease(self.run.drive_dir)
+            assert self.run.lease.step(self.run._lease_lost) is False  # the heartbeat's own check
+
+
+def foreign_lease(folder):
+    info = LeaseInfo(host="other-vm", pid=4242, pid_start=None, session="theirs", started=time.time(),
+                     heartbeat=time.time(), heartbeat_s=30.0)
+    (folder / LEASE).write_text(json.dumps(asdict(info)))
+
+
+def test_finding_4_a_runtime_that_lost_its_lease_stops_training_at_the_next_step(drive, local):
+    # Before: "this one stopped syncing ... training continues", and it trained to the end beside the new owner.
+    run = start(drive, local, save_every=5)
+    trainer = tiny_trainer(run, max_steps=60, callbacks=[TakeOverAt(run, 12)])
+    with pytest.raises(ck.LeaseLostError) as err:
+        run.train(trainer)
+    said = str(err.value)
+    assert trainer.state.global_step == 12  # stopped at the step where the loss was seen
+    assert "host other-vm, pid 4242" in said and "stopped training at step 12" in said
+    assert "checkpoint-10" in said and "run the start_run cell again with takeover=True" in said
+    assert drive_steps(run)[-1] == 10  # what was written before the takeover stays
+    assert json.loads((run.drive_dir / LEASE).read_text())["session"] == "theirs"  # the new owner's, untouched
+
+
+def test_a_plain_loop_that_lost_its_lease_cannot_save(drive, local):
+    import torch
+
+    run = start(drive, local, save_every=None)
+    store = run.checkpoint_store()
+    foreign_lease(run.drive_dir)
+    assert run.lease.step(run._lease_lost) is False
+    with pytest.raises(ck.LeaseLostError, match="host other-vm, pid 4242.*takeover=True"):
+        store.save(1, model=torch.nn.Linear(2, 2))
+    run.finish(timeout=5)
+
+
+def test_a_start_run_under_another_name_finishes_the_kernels_open_run_first(drive, local, capsys):
+    first = start(drive, local, name="a")
+    second = start(drive, local, name="b")
+    assert first._finished and json.loads((first.drive_dir / LEASE).read_text())["released"]
+    assert "finishing this kernel's open run 'a' first, before run 'b' starts" in capsys.readouterr().out
+    assert [e.get("status") for e in read_events(first.drive_dir / "events.jsonl") if e["event"] == "finish"] \
+        == ["replaced by run 'b'"]
+    second.finish(timeout=10)
+
+
+class Rates(TrainerCallback):
+    """The learning rate after each optimizer step, as the Trainer's scheduler reports it."""
+
+    def __init__(self):
+        self.at = {}
+
+    def on_step_end(self, args, state, control, lr_scheduler=None, **kwargs):
+        self.at[state.global_step] = lr_scheduler.get_last_lr()[0]
+
+
+def test_finding_3_a_changed_learning_rate_is_said_as_the_trainer_applies_it(drive, local, capsys):
+    # Before: "resuming with changed settings: learning_rate 0.002 -> 0.001, max_steps 20 -> 40", while the
+    # restored scheduler kept 0.002 and the rate rose again on the longer schedule.
+    first = start(drive, local)
+    trainer = tiny_trainer(first, max_steps=20, learning_rate=2e-3, callbacks=[Interrupt(12)])
+    with pytest.raises(KeyboardInterrupt):
+        first.train(trainer)
+    second = start(drive, local)
+    rates = Rates()
+    resumed = tiny_trainer(second, max_steps=40, learning_rate=1e-3, callbacks=[rates])
+    second.train(resumed)
+    second.finish(timeout=10)
+    said = " ".join(capsys.readouterr().err.split())  # the kit's warnings go to stderr
+    assert "learning_rate 0.002 -> 0.001 is not applied" in said and "keep the base rate 0.002" in said
+    assert "ck.start_run('nb', resume=False)" in said and "set learning_rate=0.002 again" in said
+    # Linear decay with no warmup: 0.002 * (20 - 10) / 20 = 1e-3 at step 10 before, 0.002 * 30 / 40 after.
+    assert "max_steps 20 -> 40: the schedule is rebuilt" in said
+    assert "at step 10 the rate goes from 1.00e-03 to 1.50e-03, up again" in said
+    assert rates.at[11] == pytest.approx(2e-3 * 29 / 40)  # what the Trainer did: the words were true

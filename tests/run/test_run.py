@@ -211,8 +211,8 @@ def test_a_second_runtime_is_refused_while_the_lease_is_live(drive, local):
 def test_rerunning_start_run_in_the_same_kernel_closes_the_first(drive, local, capsys):
     first = start(drive, local, quiet=True)
     second = start(drive, local, quiet=True)
-    assert "closing the earlier open run" in capsys.readouterr().out
-    assert [e.get("status") for e in events(second, "finish")] == ["restarted"]
+    assert "finishing this kernel's open run 't' first\n" in capsys.readouterr().out
+    assert [e.get("status") for e in events(second, "finish")] == ["reopened"]
     second.finish()
     assert first._finished
 

@@ -110,7 +110,7 @@ def run_to_the_end(notebook, workdir, run_name) -> tuple[Path, dict]:
     return run_dir, summary
 
 
-@pytest.mark.slow
+@pytest.mark.slow(50)
 def test_rna_quick_preset_runs_headless_and_learns(tmp_path):
     run_dir, summary = run_to_the_end(RNA, tmp_path, "rna-bert")
     assert summary["metrics"]["test"]["accuracy"] >= 0.9
