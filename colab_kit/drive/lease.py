@@ -203,17 +203,20 @@ class Lease:
                                      f"takeover=True)")
 
     def _held(self, previous: LeaseInfo, run_name: str) -> LeaseHeldError:
-        age = format_age(clock.time() - previous.heartbeat)
-        if previous.host == self.info.host:
-            wait = format_age(STALE_AFTER_BEATS * previous.heartbeat_s - (clock.time() - previous.heartbeat))
+        if previous.host == self.info.host:  # one clock: the heartbeat's age means something
+            age = clock.time() - previous.heartbeat
+            wait = format_age(STALE_AFTER_BEATS * previous.heartbeat_s - age)
+            seen = f", last heartbeat {format_age(age)} ago"
             how = f"Stop the other runtime, or wait {wait} for its lease to go stale"
-        else:
+        else:  # another VM's clock: what counts is that its heartbeat moved, not the time it wrote
+            seen = ""
             how = ("Its heartbeat advanced while this runtime watched it, so it is alive. Stop it "
                    "(in its tab: Runtime -> Disconnect and delete runtime)")
         return LeaseHeldError(
             f"run folder {self.path.parent} is in use by another runtime (host {previous.host}, "
-            f"pid {previous.pid}, last heartbeat {age} ago). Two writers would overwrite each "
-            f"other's checkpoints. {how}, or take over now: ck.start_run({run_name!r}, takeover=True)")
+            f"pid {previous.pid}{seen}). Two writers would overwrite each other's checkpoints. {how}, or take "
+            f"over now: run the start_run cell again with takeover=True (ck.start_run({run_name!r}, ..., "
+            f"takeover=True))")
 
     def _write(self) -> None:
         self.info.heartbeat = clock.time()

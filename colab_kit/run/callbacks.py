@@ -20,6 +20,7 @@ from ..checkpoints.snapshot import SNAPSHOTS, take_snapshot
 from ..distributed import ranks
 from ..errors import ColabKitError
 from .best import restore_best, step_of
+from .disk import check_local_space
 
 __all__ = ["SaveScheduleCallback", "DriveSyncCallback", "GaugesCallback", "bind"]
 
@@ -79,6 +80,17 @@ class SaveScheduleCallback(TrainerCallback):
         self.run.poll()
         step = state.global_step
         self.run.stop_if_lease_lost(step)
+        button = getattr(self.run, "stop_button", None)
+        if button is not None and button.requested:  # the stop button, pressed once: save this step, then pause
+            control.should_training_stop = True
+            control.should_save = step != self._last_saved_step
+        else:
+            self._schedule(step, state, control)
+        if control.should_save:  # the Trainer writes it to local disk next: a full disk is named first
+            check_local_space(self.run, kwargs.get("model"), step)
+        return control
+
+    def _schedule(self, step: int, state, control) -> None:
         due = bool(self.run.save_every_steps and step % self.run.save_every_steps == 0)
         if self.run.save_every_s is not None:
             # Each rank's clock differs: rank 0 decides, every rank saves (the Trainer's save is collective).
@@ -86,7 +98,6 @@ class SaveScheduleCallback(TrainerCallback):
         due |= bool(state.max_steps) and step >= state.max_steps  # the final state is always kept
         if due and step != self._last_saved_step:
             control.should_save = True
-        return control
 
     def interval(self) -> float:
         """The time-based interval in force: `save_every`, or longer while uploads are slower."""
@@ -180,7 +191,7 @@ class DriveSyncCallback(TrainerCallback):
         kit_state = {"step": step, "train_seconds": round(self.run.clock.seconds, 3), "time": time.time()}
         snapshot = take_snapshot(folder, self.run.local_dir / SNAPSHOTS, step, self.run.fingerprint, kit_state)
         self.run.mirror.submit(snapshot)
-        self.run.last_saved_step = step
+        self.run.last_saved_step, self.run.last_checkpoint_bytes = step, snapshot.bytes
         pause = time.perf_counter() - started
         self.run.journal.write("save", step=step, local=str(folder), snapshot_s=round(pause, 4))
         self.run.poll()

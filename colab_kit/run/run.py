@@ -82,9 +82,11 @@ class Run:
         self.fingerprint: dict | None = None
         self.show_gauges = gauges
         self.last_saved_step: int | None = None
+        self.last_checkpoint_bytes = 0  # the size of the newest checkpoint saved (the local disk must hold one more)
         self.save_interval_s = save_every_s  # the time-based interval in force (it may stretch)
         self.global_step: int | None = None  # where the last run.train ended
         self.micro_batching = None  # the TrainerMicroBatching of the last run.train
+        self.stop_button = None  # while run.train runs: the notebook's stop button (`stop.py`)
         self._callbacks: list | None = None
         self._last_remount = float("-inf")
         self.lost_to: str | None = None  # who took the run folder over, once the lease is lost
@@ -310,8 +312,9 @@ class Run:
     def _require_open(self, what: str) -> None:
         self._require_own_process(what)
         if self._finished:
-            raise ColabKitError(f"run {self.name!r} is finished, so it cannot {what}; start it again "
-                                f"(it resumes from its newest checkpoint): ck.start_run({self.name!r})")
+            raise ColabKitError(f"run {self.name!r} is finished, so it cannot {what}: run the start_run cell "
+                                f"again (with the notebook's own settings; it resumes from the newest checkpoint), "
+                                f"then this cell")
 
     def __enter__(self) -> "Run":
         return self

@@ -19,7 +19,9 @@ from ..memory.recipes import make_length_grouping_resumable
 from .best import TRAINER_STATE, early_stopped, restore_best
 from .callbacks import bind
 from .changes import describe_changes
+from .disk import explain_disk_full
 from .fresh import resume_argument, start_over
+from .stop import StopButton, keep_open_after_stop
 
 __all__ = ["train", "trainer_fingerprint", "check_compatible", "adjust_args", "planned_max_steps"]
 
@@ -65,18 +67,23 @@ def train(run, trainer, *, oom_recovery: bool = True, grow_back_after: int | Non
     run.micro_batching = TrainerMicroBatching(run, trainer, grow_back_after=grow_back_after, micro_batch=micro_batch)
     guard = run.micro_batching if oom_recovery and run.micro_batching.install() else None
     status = "error"
+    stop = StopButton(run)  # in a notebook: the first press saves this step and pauses, the second stops at once
     try:
-        if _already_complete(run, trainer, train_kwargs.get("resume_from_checkpoint")):
-            output = _load_completed(run, trainer, Path(train_kwargs["resume_from_checkpoint"]))
-        else:
-            with no_shard_bars():
-                output = trainer.train(**train_kwargs)
+        with stop:
+            if _already_complete(run, trainer, train_kwargs.get("resume_from_checkpoint")):
+                output = _load_completed(run, trainer, Path(train_kwargs["resume_from_checkpoint"]))
+            else:
+                with no_shard_bars():
+                    output = trainer.train(**train_kwargs)
+        if stop.requested:  # the step ended and was saved: the cell ends as stopped, so "Run all" stops here
+            raise KeyboardInterrupt
         status = "completed"
         return output
     except KeyboardInterrupt:
-        status = "interrupted"
+        status = "stopped" if stop.armed else "interrupted"
         raise
     except Exception as exc:
+        explain_disk_full(run, exc, trainer.model)
         run._close_gauges(error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}")
         if guard is not None and guard.after_step and is_oom_error(exc) and not isinstance(exc, OutOfMemoryError):
             run.journal.write("oom", step=trainer.state.global_step + 1, where="optimizer step",
@@ -92,7 +99,10 @@ def train(run, trainer, *, oom_recovery: bool = True, grow_back_after: int | Non
         run.global_step = trainer.state.global_step
         if guard is not None:
             guard.uninstall()
-        finish_run(run, 300, status, cloud_wait=False)  # the notebook's run.finish() waits for the cloud
+        if status == "stopped":  # the run stays open: the training cell run again continues
+            keep_open_after_stop(run, trainer)
+        else:
+            finish_run(run, 300, status, cloud_wait=False)  # the notebook's run.finish() waits for the cloud
 
 
 def _already_complete(run, trainer, checkpoint) -> bool:

@@ -2,6 +2,7 @@
 interval that stretches while Drive uploads more slowly than checkpoints are made."""
 
 import types
+from pathlib import Path
 
 import pytest
 from transformers import TrainerControl, TrainerState
@@ -42,7 +43,8 @@ def fake_run(save_every_s=None, save_every_steps=None, clock=None, resumed=False
     tracker.last_bytes = last_bytes
     return types.SimpleNamespace(save_every_s=save_every_s, save_every_steps=save_every_steps,
                                  clock=clock or FakeClock(), resume_from="x" if resumed else None,
-                                 poll=lambda: None, stop_if_lease_lost=lambda step: None,
+                                 poll=lambda: None, stop_if_lease_lost=lambda step: None, local_dir=Path("."),
+                                 last_checkpoint_bytes=0, last_saved_step=None, ranks=types.SimpleNamespace(writer=True),
                                  mirror=types.SimpleNamespace(tracker=tracker, prune_after="cloud"),
                                  journal=FakeJournal(), notices=Notices(), save_interval_s=save_every_s)
 

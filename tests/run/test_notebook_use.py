@@ -6,6 +6,8 @@ the last step saved) and that the message printed names the next action.
 """
 
 import json
+import os
+import signal
 import time
 from dataclasses import asdict
 
@@ -163,3 +165,111 @@ def test_finding_3_a_changed_learning_rate_is_said_as_the_trainer_applies_it(dri
     assert "max_steps 20 -> 40: the schedule is rebuilt" in said
     assert "at step 10 the rate goes from 1.00e-03 to 1.50e-03, up again" in said
     assert rates.at[11] == pytest.approx(2e-3 * 29 / 40)  # what the Trainer did: the words were true
+
+
+class PressStop(TrainerCallback):
+    """The notebook's stop button (SIGINT to the kernel) pressed `presses` times at `step`."""
+
+    def __init__(self, step, presses=1):
+        self.step, self.presses = step, presses
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            self.step = None
+            for _ in range(self.presses):
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.05)  # Python runs the handler between two bytecodes of this thread
+
+
+@pytest.fixture
+def notebook(monkeypatch):
+    """A kernel's setting: in a notebook, with Python's own SIGINT handler (restored after the test)."""
+    from colab_kit.run import stop
+
+    monkeypatch.setattr(stop, "in_notebook", lambda: True)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def straight_weights(drive, local, steps):
+    run = start(drive, local, name="straight")
+    trainer = tiny_trainer(run, max_steps=steps)
+    run.train(trainer)
+    run.finish(timeout=10)
+    return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+
+
+@pytest.mark.parametrize("presses", [1, 2], ids=["once", "twice"])
+def test_finding_2_the_stop_button_pauses_and_the_cell_run_again_continues(drive, local, notebook, capsys, presses):
+    # Before: the run was finished at the first press, and running the cell again said to call ck.start_run.
+    run = start(drive, local, save_every=10)
+    trainer = tiny_trainer(run, max_steps=20, callbacks=[PressStop(13, presses)])
+    with pytest.raises(KeyboardInterrupt):  # the cell ends as stopped: a "Run all" goes no further
+        run.train(trainer)
+    said = " ".join(capsys.readouterr().out.split())
+    assert not run._finished and trainer.state.global_step == 13
+    if presses == 1:  # this step finished and was saved: nothing is redone
+        assert "stopped at step 13; checkpoint-13 is saved" in said and "nothing will be redone" in said
+    else:  # at once: back to the last save
+        assert "stopped at step 13; checkpoint-10 is saved" in said and "the 3 step(s) since it will be redone" in said
+    assert "The run stays open: run this cell again to continue from there." in said
+    run.train(trainer)  # the training cell, run again
+    run.finish(timeout=10)
+    assert trainer.state.global_step == 20 and drive_steps(run)[-1] == 20
+    final = {k: v.detach() for k, v in trainer.model.state_dict().items()}
+    reference = straight_weights(drive, local, 20)
+    assert max((final[k] - reference[k]).abs().max().item() for k in final) <= 1e-6  # as if never stopped
+
+
+def test_ctrl_c_in_a_script_still_stops_and_finishes_the_run(drive, local):
+    # Outside a notebook the stop button is not armed: Ctrl-C keeps Python's meaning.
+    run = start(drive, local, save_every=10)
+    trainer = tiny_trainer(run, max_steps=20, callbacks=[Interrupt(13)])
+    with pytest.raises(KeyboardInterrupt):
+        run.train(trainer)
+    assert run._finished
+    with pytest.raises(ck.ColabKitError, match="run the start_run cell again .* then this cell"):
+        run.train(trainer)
+
+
+def test_finding_5_a_full_local_disk_is_named_before_the_save(drive, local, monkeypatch):
+    # Before: torch's "unexpected pos 1781312 vs 1781200" half-way through the checkpoint, and nothing said
+    # the disk was full. Here the VM's disk fills after checkpoint-10 (a fault at the storage seam).
+    from colab_kit.checkpoints import storage
+
+    run = start(drive, local, save_every=10)
+    real_free = storage.free_bytes
+    full = {"now": False}
+    monkeypatch.setattr(storage, "free_bytes",
+                        lambda path: 5_000 if full["now"] and str(path).startswith(str(local)) else real_free(path))
+
+    class FillDisk(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            full["now"] = state.global_step >= 15
+
+    trainer = tiny_trainer(run, max_steps=30, callbacks=[FillDisk()])
+    with pytest.raises(OSError, match=r"the VM's disk is full: .* has 4.9 KiB free, and checkpoint-20 needs") as err:
+        run.train(trainer)
+    said = str(err.value)
+    assert "Nothing was lost: checkpoint-10 is the newest saved" in said
+    assert "run the start_run cell and this cell again" in said
+    assert isinstance(err.value, ck.ColabKitError) and trainer.state.global_step == 20
+    assert drive_steps(run)[-1] == 10 and not (run.local_dir / "checkpoint-20").exists()  # nothing half-written
+
+
+def test_a_failed_write_on_a_full_disk_gets_a_note_that_says_so(tmp_path, monkeypatch):
+    import types
+
+    from colab_kit.checkpoints import storage
+    from colab_kit.run.disk import explain_disk_full
+
+    run = types.SimpleNamespace(local_dir=tmp_path, last_checkpoint_bytes=2_000_000, last_saved_step=40)
+    monkeypatch.setattr(storage, "free_bytes", lambda path: 120_000)
+    torch_error = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 1781312 vs 1781200")
+    explain_disk_full(run, torch_error, None)
+    note = torch_error.__notes__[0]
+    assert "the VM's disk is full" in note and "checkpoint-40 is the newest saved" in note
+    other = RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+    explain_disk_full(run, other, None)
+    assert not getattr(other, "__notes__", None)  # only a failed write is explained as a full disk
