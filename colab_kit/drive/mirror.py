@@ -184,6 +184,11 @@ class Mirror(MirrorWorker):
         return self._paused
 
     @property
+    def alive(self) -> bool:
+        """Its worker thread runs (not in a forked copy, nor where the caller steps it)."""
+        return self._thread.is_alive()
+
+    @property
     def closed(self) -> bool:
         """Closed by `finish()`: it takes no more checkpoints."""
         return self._closed

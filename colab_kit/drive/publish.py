@@ -96,8 +96,8 @@ class Publisher:
         state = self._state(target, manifest)  # reads only (and may wait: looks spaced in time)
         held = lease_ok()  # after any wait, right before the first write
         if held is not True:
-            raise OSError(errno.EAGAIN, "the run's lease could not be confirmed, so nothing is written now"
-                          if held is None else "another runtime holds the run folder now")
+            raise OSError(errno.EAGAIN, self._why_unconfirmed() if held is None
+                          else "another runtime holds the run folder now")
         if state == "same":
             log.info("checkpoint-%d is already on %s", snap.step, self.run_dir)
         elif state == "repair":
@@ -153,6 +153,19 @@ class Publisher:
             raise OSError(errno.EIO, f"{target.name} could not be read ({exc})") from exc
         return self.gate.replace(there, witness,
                                  lambda: publish_folder(snap.path, target, manifest, replace=True))
+
+    def _why_unconfirmed(self) -> str:
+        """Why nothing is written: said with what can be seen now, and nothing acted on (absence is doubt)."""
+        try:
+            gone = not storage.exists(self.run_dir)
+        except OSError:
+            gone = False
+        if gone:
+            return (f"the run folder {self.run_dir} is not there now (deleted or moved?), so this runtime's lease "
+                    f"cannot be confirmed and nothing is written: the checkpoints stay on this VM. If it was "
+                    f"deleted on purpose, run the start_run cell again: it makes the folder anew and uploads "
+                    f"the newest checkpoint")
+        return "the run's lease could not be confirmed, so nothing is written now"
 
     def _check_space(self, snap: Snapshot) -> None:
         # Bytes written but not yet uploaded: known only where DriveFS reports them.

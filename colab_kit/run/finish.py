@@ -16,11 +16,12 @@ from .._notices import Countdown
 from .._units import format_age, format_bytes
 from ..drive.drivefs import PLAIN, UNCONFIRMED
 from ..drive.mount import flush_hint
-from .registry import unregister
+from .registry import unheld_runs, unregister
 
-__all__ = ["finish_run", "report", "flush_drive", "wait_for_cloud"]
+__all__ = ["finish_run", "report", "flush_drive", "wait_for_cloud", "drain_with_countdown", "let_go", "close_run", "close_unheld_runs"]
 
 log = logging.getLogger(__name__)
+CLOSE_WAIT_S = 120.0  # how long a new run waits for the kernel's earlier run to write what it has
 
 
 def finish_run(run, timeout: float | None, status: str, *, flush: bool = False, cloud_wait: bool = True) -> dict:
@@ -41,7 +42,11 @@ def finish_run(run, timeout: float | None, status: str, *, flush: bool = False, 
     run.clock.stop()
     run._close_gauges(error=None if status in ("finished", "completed") else status)
     run.poll()
-    drained = run.mirror.drain(timeout)
+    try:
+        drained = drain_with_countdown(run.mirror, deadline)
+    except KeyboardInterrupt:  # stop pressed while it waits: let go cleanly, then stop as asked
+        let_go(run, f"{status}; stopped while writing to Drive")
+        raise
     if not drained and not run.mirror.paused:  # paused: another runtime owns the folder now
         summary = run.status() | {"status": status, "synced": False, "in_cloud": False}
         run.notices.add(
@@ -53,7 +58,11 @@ def finish_run(run, timeout: float | None, status: str, *, flush: bool = False, 
         return summary
     tracker = run.mirror.tracker
     if cloud_wait and not run.mirror.paused:
-        wait_for_cloud(tracker, deadline)
+        try:
+            wait_for_cloud(tracker, deadline)
+        except KeyboardInterrupt:
+            let_go(run, f"{status}; stopped while waiting for the cloud")
+            raise
     else:
         _within(deadline, lambda: tracker.poll(force=True))
     summary = run.status() | {"status": status, "synced": drained and not run.mirror.paused,
@@ -76,6 +85,61 @@ def finish_run(run, timeout: float | None, status: str, *, flush: bool = False, 
     if flush:
         flush_drive(run)
     return dict(summary)
+
+
+def drain_with_countdown(mirror, deadline: float | None) -> bool:
+    """`mirror.drain` until `deadline`, with a countdown after the first seconds (main thread only)."""
+    countdown = None
+    started = clock.monotonic()
+    while True:
+        left = None if deadline is None else deadline - clock.monotonic()
+        if mirror.drain(timeout=1.0 if left is None else max(0.0, min(1.0, left))):
+            return True
+        left = None if deadline is None else deadline - clock.monotonic()
+        if mirror.paused or not mirror.alive or (left is not None and left <= 0):
+            return False
+        if clock.monotonic() - started >= 3.0:
+            countdown = countdown or Countdown()
+            steps = mirror.pending_steps
+            countdown.show(f"colab_kit: writing {', '.join(f'checkpoint-{s}' for s in steps) or 'the journal'} to the "
+                           f"persistent folder" + (f" ({mirror.unsynced_reason})" if mirror.unsynced_reason else "")
+                           + (f"; giving up in {format_age(left)}" if left is not None else "")
+                           + ". Press stop to leave it on this VM's disk and release the run")
+
+
+def let_go(run, status: str) -> None:
+    """Finish a run that cannot wait any longer (stop pressed during finish's waits, or a new start_run): it is
+    left consistent (what is written stays, what is not stays on local disk), the uploader's thread stopped
+    and the lease released; said plainly."""
+    pending = run.mirror.pending_steps
+    run.journal.write("finish", status=status, synced=False, in_cloud=False)
+    run.mirror.close(timeout=5.0)
+    try:
+        clock.within(5.0, run.lease.release)
+    except Late:
+        log.info("releasing the lease goes on in the background (Drive is slow)")
+    run._finished = True
+    run._summary = run.status() | {"status": status, "synced": False, "in_cloud": False}
+    unregister(run)
+    print(f"colab_kit: run {run.name!r} released ({status})"
+          + (f"; checkpoint(s) {pending} were not written to {run.drive_dir} and stay on this VM's disk "
+             f"({run.local_dir}): run the start_run cell again to go on from them" if pending else "")
+          + ".", flush=True)
+
+
+def close_unheld_runs(why: str, keep=None) -> None:
+    for old in unheld_runs(keep):
+        close_run(old, "no longer held", f"colab_kit: finishing run {old.name!r}, which no variable of this notebook "
+                                          f"holds any more, {why} (its uploader and lease would live on)")
+
+
+def close_run(old, status: str, message: str) -> None:
+    """Finish `old`; what cannot be written within `CLOSE_WAIT_S` (with a countdown; stop ends the wait)
+    stays on local disk, where a new run of the same folder resumes from it."""
+    print(message, flush=True)
+    old.finish(timeout=CLOSE_WAIT_S, status=status)
+    if not old._finished:  # its writes could not finish in time: it lets go all the same
+        let_go(old, f"{status}; not everything was written")
 
 
 def _finish_again(run, deadline: float | None, flush: bool) -> dict:

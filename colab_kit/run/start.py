@@ -35,6 +35,7 @@ from ..errors import DriveError
 from ..runtime import detect_runtime, in_colab
 from .find import RESUME_MODES, fetch_best_of, find_resume, kit_state, set_aside_newer
 from .fresh import archive_checkpoints
+from .finish import close_run, close_unheld_runs
 from .registry import TrainClock, open_runs, register
 from .run import Run
 
@@ -179,14 +180,12 @@ def start_run(name: str, *, drive: str | os.PathLike | None = None, local_dir: s
 
 
 def close_earlier_runs(name: str, drive_dir: Path) -> None:
-    """The kernel's earlier open runs are finished first: the start_run cell run again (the same folder),
-    or run under a new name (two open runs would keep two uploaders and two leases until the kernel
-    exits, the first never released)."""
+    """Finish the kernel's open run of this folder (the start_run cell run again) and the open runs that no
+    variable of the notebook holds any more (the cell run again under a new name: `registry.py`)."""
     for old in open_runs():
-        same = old.drive_dir == drive_dir
-        print(f"colab_kit: finishing this kernel's open run {old.name!r} first"
-              + ("" if same else f", before run {name!r} starts (one open run at a time)"))
-        old.finish(timeout=120, status="reopened" if same else f"replaced by run {name!r}")
+        if old.drive_dir == drive_dir:
+            close_run(old, "reopened", f"colab_kit: finishing this kernel's open run {old.name!r} first")
+    close_unheld_runs(f"before run {name!r} starts")
 
 
 def open_claimed(name: str, drive_dir: Path, local: Path, *, lease: Lease, runtime, on_drive: bool, confirm,

@@ -35,7 +35,7 @@ def train(run, trainer, *, oom_recovery: bool = True, grow_back_after: int | Non
     """The body of `Run.train` (see its docstring)."""
     from ..memory.microbatch import TrainerMicroBatching
     from ..memory.oom import OutOfMemoryError, is_fatal_cuda_error, is_oom_error
-    from .finish import finish_run
+    from .finish import close_unheld_runs, finish_run
 
     # Refused before anything changes: the run stays open for a corrected call.
     if micro_batch is not None and not is_count(micro_batch):
@@ -44,6 +44,7 @@ def train(run, trainer, *, oom_recovery: bool = True, grow_back_after: int | Non
     if micro_batch is not None and not oom_recovery:
         raise ValueError("micro_batch needs the kit's training step: leave oom_recovery=True, or use "
                          "gradient_accumulation_steps in TrainingArguments instead")
+    close_unheld_runs(f"before run {run.name!r} trains", keep=run)  # an earlier run the notebook let go of
     replaced = bind(run, trainer)  # a trainer kept from an earlier run of the kernel mirrors into this one
     if replaced:
         run.journal.write("warn", what="trainer_rebound", replaced=replaced)

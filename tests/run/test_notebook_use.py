@@ -126,14 +126,26 @@ def test_a_plain_loop_that_lost_its_lease_cannot_save(drive, local):
     run.finish(timeout=5)
 
 
-def test_a_start_run_under_another_name_finishes_the_kernels_open_run_first(drive, local, capsys):
-    first = start(drive, local, name="a")
-    second = start(drive, local, name="b")
+def test_a_run_no_variable_holds_is_finished_when_the_next_one_trains(drive, local, monkeypatch, capsys):
+    # Before: the start_run cell run again under a new RUN_NAME left the old run open (two uploaders, two
+    # lease threads, released: false until the kernel exited).
+    from colab_kit.run import registry
+
+    namespace = {}  # the notebook's variables
+    monkeypatch.setattr(registry, "user_namespace", lambda: namespace)
+    namespace["run"] = first = start(drive, local, name="a")
+    namespace["pretrain_run"] = other = start(drive, local, name="a-mlm")
+    assert not first._finished  # a run a variable holds stays open (the RNA notebook pre-trains this way)
+    other.finish(timeout=10)
+    namespace["run"] = second = start(drive, local, name="b")  # the cell again, RUN_NAME changed: `run` rebound
+    assert not first._finished  # held by `run` while start_run ran
+    second.train(tiny_trainer(second, max_steps=3))
     assert first._finished and json.loads((first.drive_dir / LEASE).read_text())["released"]
-    assert "finishing this kernel's open run 'a' first, before run 'b' starts" in capsys.readouterr().out
+    assert not first.mirror.alive and not first.lease._thread.is_alive()
+    assert ("finishing run 'a', which no variable of this notebook holds any more, before run 'b' trains"
+            in capsys.readouterr().out)
     assert [e.get("status") for e in read_events(first.drive_dir / "events.jsonl") if e["event"] == "finish"] \
-        == ["replaced by run 'b'"]
-    second.finish(timeout=10)
+        == ["no longer held"]
 
 
 class Rates(TrainerCallback):
@@ -273,3 +285,58 @@ def test_a_failed_write_on_a_full_disk_gets_a_note_that_says_so(tmp_path, monkey
     other = RuntimeError("mat1 and mat2 shapes cannot be multiplied")
     explain_disk_full(run, other, None)
     assert not getattr(other, "__notes__", None)  # only a failed write is explained as a full disk
+
+
+def test_finding_6_a_deleted_run_folder_is_named_and_the_start_run_cell_goes_on(drive, local, capsys, monkeypatch):
+    # Before: "the run's lease could not be confirmed", with no hint that the folder was gone.
+    import shutil
+
+    import torch
+
+    run = start(drive, local, save_every=None)
+    store = run.checkpoint_store()
+    model = torch.nn.Linear(2, 2)
+    store.save(10, model=model)
+    assert run.mirror.drain(timeout=10) and drive_steps(run) == [10]
+    shutil.rmtree(run.drive_dir)  # deleted in Drive's web page, say
+    store.save(20, model=model)
+    deadline = time.monotonic() + 10
+    while run.mirror.publisher.failures == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    run.poll()
+    said = " ".join(capsys.readouterr().err.split())
+    assert f"the run folder {run.drive_dir} is not there now (deleted or moved?)" in said
+    assert "the checkpoints stay on this VM" in said and "run the start_run cell again" in said
+    from colab_kit.run import finish
+
+    monkeypatch.setattr(finish, "CLOSE_WAIT_S", 2.0)  # the earlier run can write nothing: it lets go
+    again = start(drive, local, save_every=None)  # what the message says to do
+    assert run._finished and not run.mirror.alive and not run.lease._thread.is_alive()
+    assert again.resume_from is not None and again.resume_from.name == "checkpoint-20"  # nothing was lost
+    again.finish(timeout=10)
+
+
+def test_stop_pressed_while_finish_waits_releases_the_run_cleanly(drive, local, monkeypatch, capsys):
+    # Before: a stop pressed during finish's silent wait left the run open, its lease held, its uploader alive.
+    import torch
+
+    from colab_kit.run import finish
+
+    run = start(drive, local, save_every=None)
+    run.mirror.publisher.may_write_next = lambda now, pace: False  # the write waits (a slow Drive)
+    run.checkpoint_store().save(10, model=torch.nn.Linear(2, 2))
+    waits = {"n": 0}
+    show = finish.Countdown.show
+
+    def press_stop_at_the_countdown(self, text):
+        show(self, text)
+        waits["n"] += 1
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(finish.Countdown, "show", press_stop_at_the_countdown)
+    with pytest.raises(KeyboardInterrupt):
+        run.finish(timeout=60)
+    said = " ".join(capsys.readouterr().err.split() + capsys.readouterr().out.split())
+    assert waits["n"] == 1 and run._finished and not run.mirror.alive  # the uploader's thread stopped
+    assert json.loads((run.drive_dir / LEASE).read_text())["released"]  # the lease released
+    assert "writing checkpoint-10 to the persistent folder" in said and "Press stop to leave it" in said
