@@ -18,7 +18,8 @@ from ..drive.drivefs import PLAIN, UNCONFIRMED
 from ..drive.mount import flush_hint
 from .registry import unheld_runs, unregister
 
-__all__ = ["finish_run", "report", "flush_drive", "wait_for_cloud", "drain_with_countdown", "let_go", "close_run", "close_unheld_runs"]
+__all__ = ["finish_run", "report", "flush_drive", "wait_for_cloud", "drain_with_countdown", "let_go", "close_run",
+           "close_unheld_runs"]
 
 log = logging.getLogger(__name__)
 CLOSE_WAIT_S = 120.0  # how long a new run waits for the kernel's earlier run to write what it has
