@@ -62,6 +62,7 @@ def train(run, trainer, *, oom_recovery: bool = True, grow_back_after: int | Non
     resume = resume_argument(run, resume)  # True: the newest valid one; a path: verified
     check_compatible(run, trainer.model, trainer.args, total_steps=planned_max_steps(trainer))
     adjust_args(run, trainer.args)
+    name_tied_copies(trainer.model)
     make_length_grouping_resumable(trainer)
     if resume is not None:
         train_kwargs["resume_from_checkpoint"] = resume
@@ -211,6 +212,26 @@ def adjust_args(run, args) -> None:
         run.notices.add("save_only_model=True: checkpoints hold no optimizer, scheduler or RNG "
                         "state, so a resume will not continue exactly")
     run.notices.show()
+
+
+def name_tied_copies(model) -> None:
+    """A checkpoint stores a tied weight once (GPT-2's lm_head is wte's weight), so the Trainer's resume
+    reports it missing ("There were missing keys in the checkpoint model loaded: ['lm_head.weight']"):
+    harmless, and said at every resume. `_keys_to_ignore_on_save` is the Trainer's own name for keys a
+    checkpoint leaves out: given the tied copy, its load re-ties it and says nothing. Only for the
+    embeddings tied as the config declares (so that a saved model re-ties them too); a model that names
+    such keys itself is left alone."""
+    if getattr(model, "_keys_to_ignore_on_save", None) or not getattr(model.config, "tie_word_embeddings", False):
+        return
+    try:
+        tied = model.get_output_embeddings().weight
+        if tied is not model.get_input_embeddings().weight:
+            return
+    except (AttributeError, NotImplementedError):  # no embeddings to tie (an encoder's head, a custom model)
+        return
+    names = [name for name, parameter in model.named_parameters(remove_duplicate=False) if parameter is tied]
+    if len(names) > 1:
+        model._keys_to_ignore_on_save = set(names[1:])  # the copies; the first is what the checkpoint stores
 
 
 def planned_max_steps(trainer) -> int | None:

@@ -340,3 +340,30 @@ def test_stop_pressed_while_finish_waits_releases_the_run_cleanly(drive, local, 
     assert waits["n"] == 1 and run._finished and not run.mirror.alive  # the uploader's thread stopped
     assert json.loads((run.drive_dir / LEASE).read_text())["released"]  # the lease released
     assert "writing checkpoint-10 to the persistent folder" in said and "Press stop to leave it" in said
+
+
+def test_finding_7_a_gpt2_resume_says_nothing_about_its_tied_head(drive, local, caplog):
+    # Before: every resume logged "There were missing keys in the checkpoint model loaded: ['lm_head.weight']".
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments, default_data_collator
+
+    def trainer_for(run, steps):
+        torch.manual_seed(0)
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=1, n_head=2))
+        ids = torch.randint(0, 64, (32, 16), generator=torch.Generator().manual_seed(1))
+        rows = [{"input_ids": i, "attention_mask": torch.ones_like(i), "labels": i} for i in ids]
+        args = TrainingArguments(str(run.local_dir), max_steps=steps, per_device_train_batch_size=8, use_cpu=True,
+                                 report_to=[], save_strategy="no", disable_tqdm=True)
+        return Trainer(model=model, args=args, train_dataset=rows, data_collator=default_data_collator)
+
+    first = start(drive, local, save_every=5)
+    first.train(trainer_for(first, 5))
+    first.finish(timeout=10)
+    second = start(drive, local, save_every=5)
+    trainer = trainer_for(second, 10)
+    with caplog.at_level("WARNING"):
+        second.train(trainer)
+    second.finish(timeout=10)
+    assert second.resume_from is not None and trainer.state.global_step == 10
+    assert not [r for r in caplog.records if "missing keys" in r.getMessage()]
+    assert trainer.model.lm_head.weight is trainer.model.transformer.wte.weight  # still tied
