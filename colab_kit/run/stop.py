@@ -64,7 +64,7 @@ class StopButton:
               flush=True)
 
 
-def keep_open_after_stop(run, trainer) -> None:
+def keep_open_after_stop(run, trainer, presses: int) -> None:
     """After a stop in a notebook: the run stays open and continues, at the next `run.train`, from the newest
     checkpoint this run saved; say where training stopped, what is saved, and what the next run redoes."""
     step = trainer.state.global_step
@@ -81,8 +81,7 @@ def keep_open_after_stop(run, trainer) -> None:
     print(f"colab_kit: run {run.name!r} stopped at step {step}; {where}"
           + (f"; the {redo} step(s) since it will be redone" if redo > 0 else "; nothing will be redone")
           + ". The run stays open: run this cell again to continue from there.", flush=True)
-    run.journal.write("stop", step=step, saved=since if run.resume_from is not None else None,
-                      presses=run.stop_button.presses if run.stop_button is not None else None)
+    run.journal.write("stop", step=step, saved=since if run.resume_from is not None else None, presses=presses)
 
 
 def _manifest_of(folder: Path, step: int, fingerprint: dict | None) -> Manifest:

@@ -60,7 +60,8 @@ def train(run, trainer, *, oom_recovery: bool = True, grow_back_after: int | Non
         start_over(run)  # from step 0: the run's checkpoints are archived first (never deleted)
     agree_resume(run)  # several processes: every rank resumes from rank 0's checkpoint
     resume = resume_argument(run, resume)  # True: the newest valid one; a path: verified
-    check_compatible(run, trainer.model, trainer.args, total_steps=planned_max_steps(trainer))
+    check_compatible(run, trainer.model, trainer.args,
+                     total_steps=planned_max_steps(trainer) if run.resume_manifest is not None else None)
     adjust_args(run, trainer.args)
     name_tied_copies(trainer.model)
     make_length_grouping_resumable(trainer)
@@ -102,7 +103,7 @@ def train(run, trainer, *, oom_recovery: bool = True, grow_back_after: int | Non
         if guard is not None:
             guard.uninstall()
         if status == "stopped":  # the run stays open: the training cell run again continues
-            keep_open_after_stop(run, trainer)
+            keep_open_after_stop(run, trainer, stop.presses)
         else:
             finish_run(run, 300, status, cloud_wait=False)  # the notebook's run.finish() waits for the cloud
 
