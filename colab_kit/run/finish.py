@@ -129,6 +129,7 @@ def let_go(run, status: str) -> None:
 
 
 def close_unheld_runs(why: str, keep=None) -> None:
+    """Finish the open runs (but `keep`) that no variable of the notebook holds any more (`registry.py`)."""
     for old in unheld_runs(keep):
         close_run(old, "no longer held", f"colab_kit: finishing run {old.name!r}, which no variable of this notebook "
                                           f"holds any more, {why} (its uploader and lease would live on)")
