@@ -241,7 +241,9 @@ def test_pruning_leaves_only_empty_stubs_in_drives_trash(tmp_path, emulated_driv
     events = read_events(tmp_path / "local" / "events.jsonl")
     sizes = {e["step"]: e["bytes"] for e in events if e["event"] == "sync"}
     pruned = [s for e in events if e["event"] == "prune" for s in e["steps"]]
-    assert len(pruned) >= 10
+    # Every checkpoint written but the last was pruned (how many were written, rather than superseded in the
+    # queue, depends on the machine's load: 12 on a quiet one, 6 under CI's).
+    assert sorted(pruned) == sorted(set(sizes) - {24}) and len(pruned) >= 3, (pruned, sorted(sizes))
     pruned_bytes = sum(sizes[s] for s in pruned)
     assert drive.trash_bytes() <= 0.01 * pruned_bytes, (drive.trash_bytes(), pruned_bytes)
     assert [s for s, _ in list_checkpoints(drive.cloud / "pruned" / "checkpoints")] == [24]
