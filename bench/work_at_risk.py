@@ -113,7 +113,7 @@ def main() -> int:
         cloud = len([e for e in events if e["event"] == "cloud" and "step" in e])
         risk = c["risk"] or [float("nan")]
         peak = f"{c['peak'][0]} / {c['peak'][1] / 1e6:.0f} MB"
-        print(f"{c['rate'] / 1e6:>5.0f} MB/s  {RULES[c['rule']]:<47} {statistics.median(risk):>9.0f} {max(risk):>8.0f} "
+        print(f"{c['rate'] / 1e6:>5.3g} MB/s  {RULES[c['rule']]:<47} {statistics.median(risk):>9.0f} {max(risk):>8.0f} "
               f"{c['empty_after_first']:>10d} {cloud:>9d} {stretched[-1] if stretched else '-':>11} {peak:>16}")
         if c["rule"] == "faulty":
             kinds: dict[str, int] = {}
