@@ -60,8 +60,8 @@ def train(run, trainer, *, oom_recovery: bool = True, grow_back_after: int | Non
         start_over(run)  # from step 0: the run's checkpoints are archived first (never deleted)
     agree_resume(run)  # several processes: every rank resumes from rank 0's checkpoint
     resume = resume_argument(run, resume)  # True: the newest valid one; a path: verified
-    check_compatible(run, trainer.model, trainer.args,
-                     total_steps=planned_max_steps(trainer) if run.resume_manifest is not None else None)
+    planned = planned_max_steps(trainer) if run.resume_manifest is not None else None  # one dataloader, once
+    check_compatible(run, trainer.model, trainer.args, total_steps=planned)
     adjust_args(run, trainer.args)
     name_tied_copies(trainer.model)
     make_length_grouping_resumable(trainer)
@@ -73,7 +73,7 @@ def train(run, trainer, *, oom_recovery: bool = True, grow_back_after: int | Non
     stop = StopButton(run)  # in a notebook: the first press saves this step and pauses, the second stops at once
     try:
         with stop:
-            if _already_complete(run, trainer, train_kwargs.get("resume_from_checkpoint")):
+            if _already_complete(run, planned, train_kwargs.get("resume_from_checkpoint")):
                 output = _load_completed(run, trainer, Path(train_kwargs["resume_from_checkpoint"]))
             else:
                 with no_shard_bars():
@@ -108,7 +108,7 @@ def train(run, trainer, *, oom_recovery: bool = True, grow_back_after: int | Non
             finish_run(run, 300, status, cloud_wait=False)  # the notebook's run.finish() waits for the cloud
 
 
-def _already_complete(run, trainer, checkpoint) -> bool:
+def _already_complete(run, planned: int | None, checkpoint) -> bool:
     # Resuming from a checkpoint at max_steps makes the Trainer run one step too many (its
     # stop check comes after a step), and resuming after early stopping trains on (the Trainer
     # clears should_training_stop at the start), so a finished run is recognised here instead.
@@ -116,7 +116,6 @@ def _already_complete(run, trainer, checkpoint) -> bool:
         return False
     if early_stopped(Path(checkpoint)):
         return True
-    planned = planned_max_steps(trainer)
     return planned is not None and run.resume_manifest.step >= planned
 
 
