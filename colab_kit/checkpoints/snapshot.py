@@ -23,7 +23,7 @@ from . import storage
 from .manifest import MANIFEST, Manifest, hash_folder, write_manifest
 
 __all__ = ["SNAPSHOTS", "Snapshot", "SnapshotChanged", "take_snapshot", "snapshot_manifest", "stamp", "discard",
-           "recover_saved"]
+           "keep_on_disk", "recover_saved"]
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +101,16 @@ def discard(snap: Snapshot) -> None:
         storage.remove_tree(snap.path)
     except OSError as exc:
         log.debug("could not remove %s: %s", snap.path, exc)
+
+
+def keep_on_disk(snap: Snapshot) -> None:
+    """Let go of a snapshot that will not be uploaded (its run folder is gone), leaving the Trainer's checkpoint
+    resumable on this disk: its manifest is written beside it first (when its files still match)."""
+    try:
+        snapshot_manifest(snap)
+    except (OSError, SnapshotChanged) as exc:
+        log.debug("checkpoint-%d left without a manifest: %s", snap.step, exc)
+    discard(snap)
 
 
 def recover_saved(snapshots_root: str | Path) -> list[int]:

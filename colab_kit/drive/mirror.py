@@ -32,7 +32,7 @@ from ..checkpoints.clock import clock
 from .._notices import Notices
 from ..checkpoints.checkpoint import CHECKPOINTS
 from ..checkpoints.journal import Journal
-from ..checkpoints.snapshot import Snapshot, discard
+from ..checkpoints.snapshot import Snapshot, discard, keep_on_disk
 from .cloud import CloudTracker
 from .drivefs import DRIVEFS, PLAIN, UNCONFIRMED
 from .gate import CheckpointGate
@@ -158,7 +158,7 @@ class Mirror(MirrorWorker):
         the best one: that one is uploaded first)."""
         with self._cond:
             if self._closed or self._paused:
-                discard(snapshot)
+                (keep_on_disk if self.folder_gone else discard)(snapshot)
                 return
             kept = []
             for old in self._queued:
@@ -204,6 +204,7 @@ class Mirror(MirrorWorker):
     failures = property(lambda self: self.publisher.failures)
     total_failures = property(lambda self: self.publisher.total_failures)
     unsynced_reason = property(lambda self: self.publisher.unsynced_reason)
+    folder_gone = property(lambda self: self.publisher.folder_gone)
 
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until every submitted checkpoint, journal line and small file is written; False on
@@ -227,8 +228,9 @@ class Mirror(MirrorWorker):
                     or self._adopt_wanted or self._prune_wanted or self._pruning)
 
     def pause(self, reason: str) -> None:
-        """Stop for good (the lease was lost to another runtime): nothing more is uploaded, pruned,
-        journaled or written to the run folder by this runtime; what was queued is dropped and said."""
+        """Stop for good (the lease was lost to another runtime, or the run folder is gone): nothing more is
+        uploaded, pruned, journaled or written to the run folder by this runtime; what was queued is dropped and
+        said."""
         with self._cond:
             if self._paused:
                 return

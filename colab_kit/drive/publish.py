@@ -57,6 +57,7 @@ class Publisher:
         self.failures = 0  # consecutive failed attempts
         self.total_failures = 0
         self.unsynced_reason: str | None = None
+        self.folder_gone = False  # the run folder was missing at every look: training stops (`Run.stop_if_lease_lost`)
         self.in_flight: Upload | None = None  # the upload written last, on its way to the cloud
         self._gate_warned = False
 
@@ -155,17 +156,22 @@ class Publisher:
                                  lambda: publish_folder(snap.path, target, manifest, replace=True))
 
     def _why_unconfirmed(self) -> str:
-        """Why nothing is written: said with what can be seen now, and nothing acted on (absence is doubt)."""
-        try:
-            gone = not storage.exists(self.run_dir)
-        except OSError:
-            gone = False
-        if gone:
-            return (f"the run folder {self.run_dir} is not there now (deleted or moved?), so this runtime's lease "
-                    f"cannot be confirmed and nothing is written: the checkpoints stay on this VM. If it was "
-                    f"deleted on purpose, run the start_run cell again: it makes the folder anew and uploads "
-                    f"the newest checkpoint")
-        return "the run's lease could not be confirmed, so nothing is written now"
+        """Why nothing is written: said with what can be seen now. A run folder missing at every look (spaced
+        in time: Drive hides things for a moment) stops training at the next step (`folder_gone`); nothing is
+        deleted or claimed on it: the checkpoints stay on this VM, and a re-run start_run cell makes the folder
+        anew and uploads the newest."""
+        def there() -> bool:
+            try:
+                return storage.exists(self.run_dir)
+            except OSError:
+                return True  # unknown is not gone
+        if there() or looks.again(there, lambda answer: not answer):
+            return "the run's lease could not be confirmed, so nothing is written now"
+        self.folder_gone = True
+        return (f"the run folder {self.run_dir} is not there (deleted or moved?) at {1 + len(looks.WAITS)} looks over "
+                f"{looks.span():.0f} s, so this runtime's lease cannot be confirmed and nothing is written: the "
+                f"checkpoints stay on this VM. Run the start_run cell again: it makes the folder anew and uploads the "
+                f"newest checkpoint")
 
     def _check_space(self, snap: Snapshot) -> None:
         # Bytes written but not yet uploaded: known only where DriveFS reports them.

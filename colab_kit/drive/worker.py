@@ -13,7 +13,7 @@ import logging
 
 from ..checkpoints.checkpoint import CHECKPOINTS
 from ..checkpoints.clock import clock
-from ..checkpoints.snapshot import Snapshot, SnapshotChanged, discard
+from ..checkpoints.snapshot import Snapshot, SnapshotChanged, discard, keep_on_disk
 from .deleters import TrashFreeDeleter
 from .drivefs import DRIVEFS, UNCONFIRMED, probe_kind
 
@@ -148,6 +148,9 @@ class MirrorWorker:
             self._cond.notify_all()
 
     def _failed(self, snap: Snapshot, exc: BaseException) -> None:
+        if self.publisher.folder_gone:  # missing at every look: nothing more goes there, nothing is retried
+            self._folder_gone(snap)
+            return
         delay = self.publisher.failed(snap, exc)
         with self._cond:
             newer = any(q.step > snap.step for q in self._queued)
@@ -159,6 +162,24 @@ class MirrorWorker:
                 self._current = None
             else:
                 self._retry_at = clock.monotonic() + delay
+            self._cond.notify_all()
+
+    def _folder_gone(self, snap: Snapshot) -> None:
+        """The run folder is gone (deleted or moved?): this runtime stops writing there, training stops at its
+        next step (`Run.stop_if_lease_lost`), and the start_run cell run again makes the folder anew. Nothing
+        is deleted: the Trainer's checkpoints stay on this VM's disk."""
+        reason = f"the run folder {self.run_dir} is gone (deleted or moved?)"
+        self.notices.add(f"{reason}: checkpoint-{snap.step} and what follows stay on this VM's disk, and training "
+                         f"stops at its next step. Run the start_run cell again: it makes the folder anew and uploads "
+                         f"the newest checkpoint")
+        self.journal.write("warn", what="run_folder_gone", step=snap.step)
+        with self._cond:
+            waiting = [snap, *self._queued]
+        for kept in waiting:  # resumable from this disk: the start_run cell run again finds them
+            keep_on_disk(kept)
+        self.pause(reason)
+        with self._cond:
+            self._current = None
             self._cond.notify_all()
 
     def _upload(self, snap: Snapshot) -> None:

@@ -48,7 +48,7 @@ def finish_run(run, timeout: float | None, status: str, *, flush: bool = False, 
     except KeyboardInterrupt:  # stop pressed while it waits: let go cleanly, then stop as asked
         let_go(run, f"{status}; stopped while writing to Drive")
         raise
-    if not drained and not run.mirror.paused:  # paused: another runtime owns the folder now
+    if not drained and not run.mirror.paused:  # paused: another runtime owns the folder now, or it is gone
         summary = run.status() | {"status": status, "synced": False, "in_cloud": False}
         run.notices.add(
             f"NOT YET ON DRIVE: checkpoint(s) {run.mirror.pending_steps} are only on local disk "
@@ -209,10 +209,13 @@ def report(run, summary: dict, *, waited: bool = True, again: bool = False) -> N
     head = f"colab_kit: run {run.name!r} " + (f"is already finished ({summary['status']})" if again
                                               else summary["status"])
     if run.mirror.paused:
-        dropped = run.mirror.dropped_steps
-        print(f"{head}; another runtime took over {run.drive_dir}, so this one wrote nothing more there"
+        dropped, gone = run.mirror.dropped_steps, run.mirror.folder_gone
+        print(f"{head}; " + (f"the run folder {run.drive_dir} is gone (deleted or moved?)" if gone
+                             else f"another runtime took over {run.drive_dir}")
+              + ", so this one wrote nothing more there"
               + (f": checkpoint(s) {dropped} stay only on this VM's disk ({run.local_dir})" if dropped else "")
-              + ". The run continues in the other runtime.")
+              + (". Run the start_run cell again: it makes the folder anew and uploads the newest checkpoint." if gone
+                 else ". The run continues in the other runtime."))
         return
     if run.durability == PLAIN:
         saved = f"checkpoint-{newest.step} is" if newest else "no checkpoint is"

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from .._notices import Notices
+from ..checkpoints.checkpoint import list_checkpoints
 from ..checkpoints.journal import Journal
 from ..distributed.ranks import Ranks
 from ..drive.drivefs import PLAIN
@@ -217,15 +218,27 @@ class Run:
         self.journal.write("warn", what="lease_lost", holder=self.lost_to)
 
     def stop_if_lease_lost(self, step: int) -> None:
-        """At a step boundary, on the training thread: a runtime that lost the run folder trains no further,
-        so that it never writes beside the runtime that owns it now.
+        """At a step boundary, on the training thread: a runtime that lost the run folder (taken over, or
+        missing at every look) trains no further: it never writes beside the runtime that owns it now, and
+        never trains on for hours with nowhere to put its checkpoints.
 
         Raises:
-            LeaseLostError: who took the folder over, where this one's last checkpoint is, and what to do.
+            LeaseLostError: who took the folder over, or that it is gone; where this one's last checkpoint
+                is, and what to do.
         """
-        if self.lost_to is None:
+        if self.lost_to is None and not self.mirror.folder_gone:
             return
         written = self.mirror.written_step
+        if self.lost_to is None:
+            on_disk = list_checkpoints(self.local_dir)
+            saved = on_disk[0][0] if on_disk else None
+            raise LeaseLostError(
+                f"the run folder {self.drive_dir} is gone (deleted or moved?), so this runtime stopped training "
+                f"at step {step}; nothing was deleted, and "
+                + (f"checkpoint-{saved} is saved on this VM's disk ({self.local_dir})" if saved is not None
+                   else "no checkpoint was saved yet")
+                + ". Run the start_run cell again and then this cell: the folder is made anew, the newest "
+                  "checkpoint is uploaded, and training continues from it")
         raise LeaseLostError(
             f"another runtime ({self.lost_to}) took over {self.drive_dir}, so this runtime stopped training at "
             f"step {step}: from now on, only that runtime writes the run folder"

@@ -305,8 +305,11 @@ def test_finding_6_a_deleted_run_folder_is_named_and_the_start_run_cell_goes_on(
         time.sleep(0.05)
     run.poll()
     said = " ".join(capsys.readouterr().err.split())
-    assert f"the run folder {run.drive_dir} is not there now (deleted or moved?)" in said
-    assert "the checkpoints stay on this VM" in said and "run the start_run cell again" in said
+    assert f"the run folder {run.drive_dir} is gone (deleted or moved?): checkpoint-20 and what follows stay on " \
+        f"this VM's disk, and training stops at its next step. Run the start_run cell again" in said
+    with pytest.raises(ck.LeaseLostError, match=r"is gone \(deleted or moved\?\), so this runtime stopped training "
+                       r"at step 21; nothing was deleted, and checkpoint-20 is saved on this VM's disk"):
+        run.stop_if_lease_lost(21)  # what the training loop asks at its next step
     from colab_kit.run import finish
 
     monkeypatch.setattr(finish, "CLOSE_WAIT_S", 2.0)  # the earlier run can write nothing: it lets go
