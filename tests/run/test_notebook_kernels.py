@@ -73,7 +73,7 @@ def stopped_at(ran) -> int:
     return int(ran.text.split("stopped at step ")[1].split(";")[0])
 
 
-@pytest.mark.slow(90)
+@pytest.mark.slow(25)
 @pytest.mark.parametrize("name", ["gpt2", "rna"])
 def test_stop_then_start_run_again_and_the_old_trainer_mirrors_every_checkpoint(tmp_path, name):
     # Finding 1: before, the trainer kept from the stopped run mirrored nothing into the new one, silently.
@@ -105,7 +105,7 @@ def test_stop_then_start_run_again_and_the_old_trainer_mirrors_every_checkpoint(
     assert [e["step"] for e in events(run_dir, "stop")] == [first, second], kernel.transcript()
 
 
-@pytest.mark.slow(70)
+@pytest.mark.slow(25)
 def test_a_changed_learning_rate_says_what_the_rate_will_do(tmp_path):
     notebook, run_name = NOTEBOOKS["rna"]
     run_dir = tmp_path / "drive" / run_name
@@ -121,7 +121,7 @@ def test_a_changed_learning_rate_says_what_the_rate_will_do(tmp_path):
     assert_nothing_lost(run_dir, kernel)
 
 
-@pytest.mark.slow(90)
+@pytest.mark.slow(40)
 def test_a_second_kernel_takes_the_run_over_and_the_first_stops_at_its_next_step(tmp_path):
     notebook, run_name = NOTEBOOKS["gpt2"]
     run_dir = tmp_path / "drive" / run_name
@@ -175,7 +175,7 @@ def small_tmpfs(tmp_path):
         subprocess.run(["umount", "-l", str(folder)], check=False)
 
 
-@pytest.mark.slow(70)
+@pytest.mark.slow(35)
 def test_a_full_local_disk_is_named_and_training_goes_on_once_there_is_room(tmp_path, small_tmpfs):
     notebook, run_name = NOTEBOOKS["gpt2"]
     run_dir = tmp_path / "drive" / run_name
@@ -197,7 +197,7 @@ def test_a_full_local_disk_is_named_and_training_goes_on_once_there_is_room(tmp_
     assert_nothing_lost(run_dir, kernel)
 
 
-@pytest.mark.slow(90)
+@pytest.mark.slow(30)
 def test_a_full_persistent_folder_makes_room_by_the_deletion_rules(tmp_path, emulated_drive):
     notebook, run_name = NOTEBOOKS["gpt2"]
     drive = emulated_drive(rate=50e6, quota=15 << 20)  # DriveFS (emulated), room for about 2.5 checkpoints
@@ -215,12 +215,12 @@ def test_a_full_persistent_folder_makes_room_by_the_deletion_rules(tmp_path, emu
     assert_nothing_lost(run_dir, kernel)
 
 
-@pytest.mark.slow(70)
+@pytest.mark.slow(40)
 def test_a_deleted_run_folder_stops_training_and_the_cells_run_again_make_it_anew(tmp_path):
     # Before: "the run's lease could not be confirmed", training went on, and nothing more was mirrored.
     notebook, run_name = NOTEBOOKS["rna"]
     run_dir = tmp_path / "drive" / run_name
-    with NotebookKernel(notebook, tmp_path, MAX_STEPS=150, SAVE_EVERY=10) as kernel:
+    with NotebookKernel(notebook, tmp_path, MAX_STEPS=100, SAVE_EVERY=10) as kernel:
         assert kernel.run_through(TRAINING_CELL["rna"], upto=True).error is None, kernel.transcript()
         deleted = []
 
@@ -235,7 +235,7 @@ def test_a_deleted_run_folder_stops_training_and_the_cells_run_again_make_it_ane
         assert "Run the start_run cell again and then this cell" in ran.error, ran
         assert kernel.run_cell(START_RUN_CELL).error is None, kernel.transcript()
         ran = kernel.run_cell(TRAINING_CELL["rna"])
-        assert ran.error is None and "completed; checkpoint-150 is saved" in ran.text, kernel.transcript()
+        assert ran.error is None and "completed; checkpoint-100 is saved" in ran.text, kernel.transcript()
         assert kernel.run_cell(FINISH_CELL).error is None
-    assert drive_steps(run_dir)[-1] == 150
+    assert drive_steps(run_dir)[-1] == 100
     assert_nothing_lost(run_dir, kernel)
