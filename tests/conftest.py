@@ -41,21 +41,13 @@ def _no_fuse(reason: str):
 def pytest_collection_modifyitems(items):
     """The long tests (marked slow: subprocesses, notebooks, emulated Drives) first, the longest of them
     (`slow(seconds)`, measured on 2 cores) before the others: with several workers the short ones then fill
-    the gaps at the end, instead of one long test running alone.
-
-    pytest-xdist's worksteal hands each worker a contiguous share of this list (the first third to the first
-    worker, ...), so the sorted list is dealt out like cards: every share starts with its part of the long
-    tests, instead of the first worker running all of them one after another (measured: 106, 101, 98, 65 and
-    55 s in a row on one worker)."""
+    the gaps at the end, instead of one long test running alone."""
 
     def order(item):
         slow = item.get_closest_marker("slow")
         return (slow is None, -(slow.args[0] if slow is not None and slow.args else 0))
 
     items.sort(key=order)
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))  # set in each worker, which collects
-    if workers > 1:
-        items[:] = [item for k in range(workers) for item in items[k::workers]]
 
 
 @pytest.fixture(autouse=True)

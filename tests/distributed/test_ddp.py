@@ -218,7 +218,6 @@ def test_start_run_before_notebook_launcher_is_refused_in_the_children(tmp_path)
     assert finished and float(finished.group(1)) < 120  # finish() did not wait for a dead uploader
 
 
-@pytest.mark.slow(20)
 def test_two_nodes_with_their_own_local_disks(tmp_path, reference):
     """Two "nodes" of one process each (LOCAL_RANK 0 on both, as torchrun sets it for --nnodes 2
     --nproc_per_node 1), sharing only the persistent folder: rank 1's RNG state reaches rank 0's
@@ -267,7 +266,6 @@ def test_two_nodes_with_their_own_local_disks(tmp_path, reference):
         assert "rank(s) [1] cannot read checkpoint-30, which rank 0 resumes from" in text, text[-3000:]
 
 
-@pytest.mark.slow(22)
 def test_a_notebook_runs_as_a_script_under_torchrun(tmp_path):
     """The README's "More than one GPU" recipe: the GPT-2 notebook's cells as a script, quick preset."""
     notebook = json.loads((NOTEBOOKS / "distilgpt2_finetune.ipynb").read_text())

@@ -111,7 +111,7 @@ def test_finding_2_a_run_folder_reached_through_a_symlink_is_where_it_leads(emul
 
 
 # -- finding 3: no upload rate is guessed ---------------------------------------------------------------------
-@pytest.mark.slow(45)
+@pytest.mark.slow
 def test_finding_3_without_attributes_the_cloud_keeps_one_at_a_tenth_of_the_assumed_rate(tmp_path, emulated_drive):
     # ~2 MB checkpoints every ~1 s, Drive at 0.1 MB/s (20 s each), the old settle rule's numbers at their
     # shortest: settled 2 s + size at 1 MB/s (4 s) after written. Before: every uploaded checkpoint was

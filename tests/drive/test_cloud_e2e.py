@@ -152,7 +152,6 @@ def test_a_faulty_drive_costs_time_never_a_checkpoint(tmp_path, emulated_drive, 
         assert seen["claims"] == 0  # where nothing reports uploads, nothing is ever called in the cloud
 
 
-@pytest.mark.slow(20)
 def test_a_stalled_drive_never_stalls_the_training_loop(tmp_path, emulated_drive):
     # Every operation of the mount held for 5 s, twice, while the job trains and saves every 2 steps.
     stall_s = 5.0
@@ -179,7 +178,6 @@ def test_a_stalled_drive_never_stalls_the_training_loop(tmp_path, emulated_drive
     assert any(f["fault"] == "signal_stall" for f in drive.faults_seen())
 
 
-@pytest.mark.slow(45)
 def test_without_attributes_the_ladder_keeps_one_in_the_cloud_and_stays_bounded(tmp_path, emulated_drive):
     # A mount without attributes, the ladder from 3 s (every checkpoint younger than that, then one per
     # doubling of age, and the oldest) and Drive at 1.5 MB/s (~5.3 s per ~8 MB checkpoint, one saved
@@ -208,7 +206,6 @@ def test_without_attributes_the_ladder_keeps_one_in_the_cloud_and_stays_bounded(
     assert peak[0] <= 12  # the ladder's rungs over ~50 s, the ones younger than 3 s, the oldest
 
 
-@pytest.mark.slow(16)
 def test_the_rule_before_0_2_loses_every_cloud_checkpoint_in_a_backlog(tmp_path, emulated_drive):
     # Pruning once a newer manifest is *written* (keep=3, the default): a checkpoint every ~2.5 s,
     # 5.4 s of upload each. The first one reaches the cloud; it is deleted at once when the third

@@ -27,7 +27,6 @@ def best_line(text: str) -> tuple[int, str, int]:
 
 
 @pytest.mark.parametrize("direction, keep", [("min", 1), ("max", 3)])
-@pytest.mark.slow(20)
 def test_the_best_model_survives_a_kill_and_a_new_vm(tmp_path, direction, keep):
     extra = ["--best", direction, "--keep", str(keep)]
     reference = harness.Job(tmp_path / "reference", extra=extra)

@@ -34,7 +34,6 @@ def kill_after_durable(job: harness.Job, step: int) -> int:
 
 
 @pytest.mark.parametrize("loop", ["trainer", "plain"])
-@pytest.mark.slow(27)
 def test_exact_resume_after_sigkill_on_a_new_vm(tmp_path, references, loop):
     job = harness.Job(tmp_path, loop=loop, step_sleep=0.05)
     durable = kill_after_durable(job, 20)
@@ -53,7 +52,6 @@ def test_exact_resume_after_sigkill_on_a_new_vm(tmp_path, references, loop):
                  ("manifest:2", True), ("prune:1", False), ("journal:6", True)]),
     ("plain", [("upload:3", True), ("manifest:1", False), ("local_save:4", True), ("prune:2", True)]),
 ])
-@pytest.mark.slow(45)
 def test_kill_anywhere_resumes_from_a_valid_checkpoint(tmp_path, references, loop, kills):
     job = harness.Job(tmp_path, loop=loop)
     pending = None  # last save before a kill whose restart is not checked yet

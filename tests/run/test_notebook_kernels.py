@@ -73,7 +73,7 @@ def stopped_at(ran) -> int:
     return int(ran.text.split("stopped at step ")[1].split(";")[0])
 
 
-@pytest.mark.slow(25)
+@pytest.mark.slow(90)
 @pytest.mark.parametrize("name", ["gpt2", "rna"])
 def test_stop_then_start_run_again_and_the_old_trainer_mirrors_every_checkpoint(tmp_path, name):
     # Finding 1: before, the trainer kept from the stopped run mirrored nothing into the new one, silently.
@@ -105,7 +105,7 @@ def test_stop_then_start_run_again_and_the_old_trainer_mirrors_every_checkpoint(
     assert [e["step"] for e in events(run_dir, "stop")] == [first, second], kernel.transcript()
 
 
-@pytest.mark.slow(25)
+@pytest.mark.slow(70)
 def test_a_changed_learning_rate_says_what_the_rate_will_do(tmp_path):
     notebook, run_name = NOTEBOOKS["rna"]
     run_dir = tmp_path / "drive" / run_name
@@ -115,13 +115,14 @@ def test_a_changed_learning_rate_says_what_the_rate_will_do(tmp_path):
         assert kernel.run_cell(START_RUN_CELL).error is None, kernel.transcript()
         ran = kernel.run_cell(TRAINING_CELL["rna"])
         assert ran.error is None, kernel.transcript()
-        assert "learning_rate 0.002 -> 0.001" in ran.text and "is not applied" in ran.text, ran
+        assert "learning_rate 0.002 -> 0.001 is not applied" in ran.text, ran
+        assert "To train at 0.001, start fresh (ck.start_run('rna-bert', resume=False)" in ran.text, ran
         assert "completed; checkpoint-40 is saved" in ran.text, ran
         assert kernel.run_cell(FINISH_CELL).error is None
     assert_nothing_lost(run_dir, kernel)
 
 
-@pytest.mark.slow(40)
+@pytest.mark.slow(90)
 def test_a_second_kernel_takes_the_run_over_and_the_first_stops_at_its_next_step(tmp_path):
     notebook, run_name = NOTEBOOKS["gpt2"]
     run_dir = tmp_path / "drive" / run_name
@@ -175,7 +176,7 @@ def small_tmpfs(tmp_path):
         subprocess.run(["umount", "-l", str(folder)], check=False)
 
 
-@pytest.mark.slow(35)
+@pytest.mark.slow(70)
 def test_a_full_local_disk_is_named_and_training_goes_on_once_there_is_room(tmp_path, small_tmpfs):
     notebook, run_name = NOTEBOOKS["gpt2"]
     run_dir = tmp_path / "drive" / run_name
@@ -197,7 +198,7 @@ def test_a_full_local_disk_is_named_and_training_goes_on_once_there_is_room(tmp_
     assert_nothing_lost(run_dir, kernel)
 
 
-@pytest.mark.slow(30)
+@pytest.mark.slow(90)
 def test_a_full_persistent_folder_makes_room_by_the_deletion_rules(tmp_path, emulated_drive):
     notebook, run_name = NOTEBOOKS["gpt2"]
     drive = emulated_drive(rate=50e6, quota=15 << 20)  # DriveFS (emulated), room for about 2.5 checkpoints
@@ -215,7 +216,7 @@ def test_a_full_persistent_folder_makes_room_by_the_deletion_rules(tmp_path, emu
     assert_nothing_lost(run_dir, kernel)
 
 
-@pytest.mark.slow(40)
+@pytest.mark.slow(70)
 def test_a_deleted_run_folder_stops_training_and_the_cells_run_again_make_it_anew(tmp_path):
     # Before: "the run's lease could not be confirmed", training went on, and nothing more was mirrored.
     notebook, run_name = NOTEBOOKS["rna"]

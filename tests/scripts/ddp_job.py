@@ -154,6 +154,16 @@ def _pair(text: str) -> tuple[int, int]:
     return int(r), int(n)
 
 
+def free_port() -> str:
+    """A port no one listens on now: notebook_launcher's default (29500) is shared by every test that runs it,
+    and two such tests at once (pytest-xdist) fail with EADDRINUSE."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return str(sock.getsockname()[1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--drive", required=True)
@@ -192,7 +202,7 @@ def main() -> None:
 
         started = time.monotonic()
         try:
-            notebook_launcher(train_in_child, num_processes=2)
+            notebook_launcher(train_in_child, num_processes=2, use_port=free_port())
         except Exception as exc:
             print(f"LAUNCH FAILED: {exc}", flush=True)
         run.finish(timeout=600)
@@ -200,7 +210,7 @@ def main() -> None:
     elif args.launcher == "notebook":
         from accelerate import notebook_launcher
 
-        notebook_launcher(worker, args=(args,), num_processes=2)
+        notebook_launcher(worker, args=(args,), num_processes=2, use_port=free_port())
     else:
         worker(args)
         # Skip the interpreter's teardown: the Trainer's DDP wrapper still holds the gloo process group,

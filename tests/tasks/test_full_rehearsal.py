@@ -116,7 +116,6 @@ def wikitext_like(n_articles: int, seed: int) -> list[str]:
     return [line + "\n" if line else "" for line in generate_corpus(n_articles, seed=seed)]
 
 
-@pytest.mark.slow(30)
 def test_gpt2_full_preset_offline_rehearsal(tmp_path, offline):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -110,7 +110,7 @@ def run_to_the_end(notebook, workdir, run_name) -> tuple[Path, dict]:
     return run_dir, summary
 
 
-@pytest.mark.slow(40)
+@pytest.mark.slow(50)
 def test_rna_quick_preset_runs_headless_and_learns(tmp_path):
     run_dir, summary = run_to_the_end(RNA, tmp_path, "rna-bert")
     assert summary["metrics"]["test"]["accuracy"] >= 0.9
@@ -119,7 +119,7 @@ def test_rna_quick_preset_runs_headless_and_learns(tmp_path):
     assert [e["event"] for e in events(run_dir)][0] == "start" and any(e["event"] == "finish" for e in events(run_dir))
 
 
-@pytest.mark.slow(40)
+@pytest.mark.slow
 def test_rna_notebook_killed_after_a_durable_checkpoint_resumes_and_finishes(tmp_path):
     # 60 steps (a checkpoint every 40): learning to the end is test_rna_quick_preset_runs_headless_and_learns
     run_dir = tmp_path / "drive" / "rna-bert"
@@ -130,7 +130,7 @@ def test_rna_notebook_killed_after_a_durable_checkpoint_resumes_and_finishes(tmp
     assert summary["steps"] == 60 and 0 <= summary["metrics"]["test"]["accuracy"] <= 1
 
 
-@pytest.mark.slow(35)
+@pytest.mark.slow
 def test_rna_notebook_pretrains_the_scratch_model_in_its_own_run_then_fine_tunes(tmp_path):
     from colab_kit.checkpoints.validity import verify_folder
 
@@ -166,7 +166,7 @@ def test_rna_notebook_stops_on_a_bad_file_with_its_message(tmp_path):
 GPT2 = ROOT / "notebooks" / "distilgpt2_finetune.ipynb"
 
 
-@pytest.mark.slow(30)
+@pytest.mark.slow
 def test_gpt2_quick_preset_runs_headless_and_lowers_perplexity(tmp_path):
     _, metrics = run_to_the_end(GPT2, tmp_path, "distilgpt2-wikitext")
     assert metrics["perplexity_after"] < metrics["perplexity_before"] / 5
@@ -175,7 +175,7 @@ def test_gpt2_quick_preset_runs_headless_and_lowers_perplexity(tmp_path):
     assert "preflight: no problems found" in said  # this notebook's configuration
 
 
-@pytest.mark.slow(45)
+@pytest.mark.slow
 def test_gpt2_notebook_killed_after_a_durable_checkpoint_resumes_and_finishes(tmp_path):
     run_dir = tmp_path / "drive" / "distilgpt2-wikitext"
     durable, second = kill_after_first_durable_checkpoint_and_rerun(GPT2, tmp_path, run_dir, ("MAX_STEPS", "40"))
