@@ -229,9 +229,9 @@ class Run:
         if self.lost_to is None and not self.mirror.folder_gone:
             return
         written = self.mirror.written_step
+        on_disk = list_checkpoints(self.local_dir)
+        saved = on_disk[0][0] if on_disk else None
         if self.lost_to is None:
-            on_disk = list_checkpoints(self.local_dir)
-            saved = on_disk[0][0] if on_disk else None
             raise LeaseLostError(
                 f"the run folder {self.drive_dir} is gone (deleted or moved?), so this runtime stopped training "
                 f"at step {step}; nothing was deleted, and "
@@ -243,6 +243,8 @@ class Run:
             f"another runtime ({self.lost_to}) took over {self.drive_dir}, so this runtime stopped training at "
             f"step {step}: from now on, only that runtime writes the run folder"
             + (f" (its newest checkpoint from here is checkpoint-{written})" if written is not None else "")
+            + (f"; checkpoint-{saved} was not written there and stays only on this VM's disk ({self.local_dir})"
+               if saved is not None and (written is None or saved > written) else "")
             + ". Continue in that runtime; or, to take the run back here (that runtime then stops at its next "
               "step), run the start_run cell again with takeover=True")
 

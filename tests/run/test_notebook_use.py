@@ -90,6 +90,7 @@ class TakeOverAt(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step == self.step:
+            assert self.run.mirror.drain(timeout=60)  # what was saved before is written (on a loaded machine too)
             foreign_lease(self.run.drive_dir)
             assert self.run.lease.step(self.run._lease_lost) is False  # the heartbeat's own check
 
@@ -112,6 +113,18 @@ def test_finding_4_a_runtime_that_lost_its_lease_stops_training_at_the_next_step
     assert "checkpoint-10" in said and "run the start_run cell again with takeover=True" in said
     assert drive_steps(run)[-1] == 10  # what was written before the takeover stays
     assert json.loads((run.drive_dir / LEASE).read_text())["session"] == "theirs"  # the new owner's, untouched
+
+
+def test_a_lost_lease_names_a_checkpoint_that_only_this_vm_holds(drive, local):
+    # The takeover came before the uploader wrote the newest save: the message says where that one is.
+    run = start(drive, local, save_every=None)
+    (run.local_dir / "checkpoint-7").mkdir(parents=True)  # saved by the Trainer, not yet written to Drive
+    run._lease_lost(LeaseInfo(host="other-vm", pid=4242, pid_start=None, session="theirs", started=time.time(),
+                              heartbeat=time.time(), heartbeat_s=30.0))
+    with pytest.raises(ck.LeaseLostError, match=r"stopped training at step 8: .*; checkpoint-7 was not written "
+                       r"there and stays only on this VM's disk \(" + str(run.local_dir)):
+        run.stop_if_lease_lost(8)
+    run.finish(timeout=5)
 
 
 def test_a_plain_loop_that_lost_its_lease_cannot_save(drive, local):
