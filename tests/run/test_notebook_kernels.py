@@ -28,7 +28,7 @@ RNA = ROOT / "notebooks" / "rna_bert_classification.ipynb"
 NOTEBOOKS = {"gpt2": (GPT2, "distilgpt2-wikitext"), "rna": (RNA, "rna-bert")}
 START_RUN_CELL = "run = ck.start_run(RUN_NAME"
 FINISH_CELL = "run.finish()"
-TRAINING_CELL = {"gpt2": "result = run.train(trainer)", "rna": "result = run.train(trainer)"}
+TRAINING_CELL = "result = run.train(trainer)"  # the same line in both notebooks
 
 
 def events(run_dir: Path, what: str | None = None) -> list[dict]:
@@ -53,6 +53,17 @@ def assert_nothing_lost(run_dir: Path, kernel: NotebookKernel) -> None:
     """The newest checkpoint any runtime saved verifies in the persistent folder."""
     newest = newest_saved(run_dir)
     assert newest in drive_steps(run_dir), f"checkpoint-{newest} is not in {run_dir}\n{kernel.transcript()}"
+
+
+def train_on_to_the_end(kernel: NotebookKernel, run_dir: Path, steps: int) -> None:
+    """The start_run cell and the training cell run again, as the messages say: training ends at `steps`,
+    the run finishes, and nothing saved on the way is missing from the persistent folder."""
+    assert kernel.run_cell(START_RUN_CELL).error is None, kernel.transcript()
+    ran = kernel.run_cell(TRAINING_CELL)
+    assert ran.error is None and f"completed; checkpoint-{steps} is saved" in ran.text, kernel.transcript()
+    assert kernel.run_cell(FINISH_CELL).error is None
+    assert drive_steps(run_dir)[-1] == steps
+    assert_nothing_lost(run_dir, kernel)
 
 
 def wait_until(condition, kernel: NotebookKernel, timeout: float = 300) -> None:
@@ -80,7 +91,7 @@ def test_stop_then_start_run_again_and_the_old_trainer_mirrors_every_checkpoint(
     notebook, run_name = NOTEBOOKS[name]
     run_dir = tmp_path / "drive" / run_name
     with NotebookKernel(notebook, tmp_path, MAX_STEPS=40, SAVE_EVERY=5) as kernel:
-        stop = kernel.run_through(TRAINING_CELL[name], stop_when=saved_after(run_dir, 5))
+        stop = kernel.run_through(TRAINING_CELL, stop_when=saved_after(run_dir, 5))
         first = newest_saved(run_dir)
         again = kernel.run_cell(START_RUN_CELL)  # the start_run cell again: the open run is closed first
         stop_again = kernel.execute("result = run.train(trainer)", stop_when=saved_after(run_dir, first + 5))
@@ -91,7 +102,7 @@ def test_stop_then_start_run_again_and_the_old_trainer_mirrors_every_checkpoint(
         rebound = [e for e in events(run_dir) if e.get("what") == "trainer_rebound"]
         assert rebound and f"of run '{run_name}'" in rebound[0]["replaced"][0], kernel.transcript()
 
-        ran = kernel.run_cell(TRAINING_CELL[name])  # the training cell again: on from `second`, to the end
+        ran = kernel.run_cell(TRAINING_CELL)  # the training cell again: on from `second`, to the end
         assert ran.error is None and f"completed; checkpoint-40 is saved in {run_dir}" in ran.text, kernel.transcript()
         assert kernel.run_cell(FINISH_CELL).error is None
     assert drive_steps(run_dir)[-1] == 40
@@ -110,10 +121,10 @@ def test_a_changed_learning_rate_says_what_the_rate_will_do(tmp_path):
     notebook, run_name = NOTEBOOKS["rna"]
     run_dir = tmp_path / "drive" / run_name
     with NotebookKernel(notebook, tmp_path, MAX_STEPS=20, SAVE_EVERY=10) as kernel:
-        assert kernel.run_through(TRAINING_CELL["rna"]).error is None, kernel.transcript()
+        assert kernel.run_through(TRAINING_CELL).error is None, kernel.transcript()
         kernel.set(LEARNING_RATE=0.001, MAX_STEPS=40)  # edited in the parameters cell, then run on from start_run
         assert kernel.run_cell(START_RUN_CELL).error is None, kernel.transcript()
-        ran = kernel.run_cell(TRAINING_CELL["rna"])
+        ran = kernel.run_cell(TRAINING_CELL)
         assert ran.error is None, kernel.transcript()
         assert "learning_rate 0.002 -> 0.001 is not applied" in ran.text, ran
         assert "To train at 0.001, start fresh (ck.start_run('rna-bert', resume=False)" in ran.text, ran
@@ -132,8 +143,8 @@ def test_a_second_kernel_takes_the_run_over_and_the_first_stops_at_its_next_step
     with NotebookKernel(notebook, tmp_path / "vm1", MAX_STEPS=100000, SAVE_EVERY=5, DRIVE_DIR=drive) as first, \
             NotebookKernel(notebook, tmp_path / "vm2", MAX_STEPS=40, SAVE_EVERY=5, DRIVE_DIR=drive) as second, \
             ThreadPoolExecutor(1) as pool:
-        assert first.run_through(TRAINING_CELL["gpt2"], upto=True).error is None, first.transcript()
-        training = pool.submit(first.run_cell, TRAINING_CELL["gpt2"])
+        assert first.run_through(TRAINING_CELL, upto=True).error is None, first.transcript()
+        training = pool.submit(first.run_cell, TRAINING_CELL)
         assert second.run_through(START_RUN_CELL, upto=True).error is None, second.transcript()
         wait_until(saved_after(run_dir, 5), first)
         refused = second.run_cell(START_RUN_CELL)
@@ -148,7 +159,7 @@ def test_a_second_kernel_takes_the_run_over_and_the_first_stops_at_its_next_step
         # the first kernel writes nothing into the run folder once the second holds it
         later = [e for e in events(run_dir)[taken_at + 1:] if "/vm1/" in e.get("local", "")]
         assert not later, later
-        assert second.run_through(TRAINING_CELL["gpt2"]).error is None, second.transcript()
+        assert second.run_through(TRAINING_CELL).error is None, second.transcript()
         assert second.run_cell(FINISH_CELL).error is None
     assert drive_steps(run_dir)[-1] == 40
     assert_nothing_lost(run_dir, second)
@@ -183,19 +194,14 @@ def test_a_full_local_disk_is_named_and_training_goes_on_once_there_is_room(tmp_
     scratch = small_tmpfs(tmp_path / "scratch", 64 << 20)  # the kernel's local folder (/content in Colab)
     filler = scratch / "filler.bin"
     with NotebookKernel(notebook, tmp_path, MAX_STEPS=40, SAVE_EVERY=5) as kernel:
-        assert kernel.run_through(TRAINING_CELL["gpt2"], upto=True).error is None, kernel.transcript()
+        assert kernel.run_through(TRAINING_CELL, upto=True).error is None, kernel.transcript()
         free = shutil.disk_usage(scratch).free
         filler.write_bytes(b"\0" * (free - (14 << 20)))  # room for about two checkpoints of 5.7 MiB
-        ran = kernel.run_cell(TRAINING_CELL["gpt2"])
+        ran = kernel.run_cell(TRAINING_CELL)
         assert ran.error and ran.error.startswith("LocalDiskFullError") and "the VM's disk is full" in ran.error, ran
         assert "Free space on this disk" in ran.error and "run the start_run cell and this cell again" in ran.error
         filler.unlink()
-        assert kernel.run_cell(START_RUN_CELL).error is None, kernel.transcript()
-        ran = kernel.run_cell(TRAINING_CELL["gpt2"])
-        assert ran.error is None and "completed; checkpoint-40 is saved" in ran.text, kernel.transcript()
-        assert kernel.run_cell(FINISH_CELL).error is None
-    assert drive_steps(run_dir)[-1] == 40
-    assert_nothing_lost(run_dir, kernel)
+        train_on_to_the_end(kernel, run_dir, 40)
 
 
 @pytest.mark.slow(90)
@@ -204,7 +210,7 @@ def test_a_full_persistent_folder_makes_room_by_the_deletion_rules(tmp_path, emu
     drive = emulated_drive(rate=50e6, quota=15 << 20)  # DriveFS (emulated), room for about 2.5 checkpoints
     run_dir = drive.mountpoint / run_name
     with NotebookKernel(notebook, tmp_path, MAX_STEPS=40, SAVE_EVERY=10, DRIVE_DIR=str(drive.mountpoint)) as kernel:
-        ran = kernel.run_through(TRAINING_CELL["gpt2"])
+        ran = kernel.run_through(TRAINING_CELL)
         assert ran.error is None and "completed" in ran.text, kernel.transcript()
         finished = kernel.run_cell(FINISH_CELL)
         assert finished.error is None and "checkpoint-40" in finished.text, kernel.transcript()
@@ -222,7 +228,7 @@ def test_a_deleted_run_folder_stops_training_and_the_cells_run_again_make_it_ane
     notebook, run_name = NOTEBOOKS["rna"]
     run_dir = tmp_path / "drive" / run_name
     with NotebookKernel(notebook, tmp_path, MAX_STEPS=100, SAVE_EVERY=10) as kernel:
-        assert kernel.run_through(TRAINING_CELL["rna"], upto=True).error is None, kernel.transcript()
+        assert kernel.run_through(TRAINING_CELL, upto=True).error is None, kernel.transcript()
         deleted = []
 
         def delete_the_run_folder():  # at drive.google.com, say, while the cell trains
@@ -230,13 +236,8 @@ def test_a_deleted_run_folder_stops_training_and_the_cells_run_again_make_it_ane
                 shutil.rmtree(run_dir)
                 deleted.append(True)
 
-        ran = kernel.run_cell(TRAINING_CELL["rna"], meanwhile=delete_the_run_folder)
+        ran = kernel.run_cell(TRAINING_CELL, meanwhile=delete_the_run_folder)
         assert ran.error and ran.error.startswith("LeaseLostError"), kernel.transcript()
         assert f"the run folder {run_dir} is gone (deleted or moved?), so this runtime stopped training" in ran.error
         assert "Run the start_run cell again and then this cell" in ran.error, ran
-        assert kernel.run_cell(START_RUN_CELL).error is None, kernel.transcript()
-        ran = kernel.run_cell(TRAINING_CELL["rna"])
-        assert ran.error is None and "completed; checkpoint-100 is saved" in ran.text, kernel.transcript()
-        assert kernel.run_cell(FINISH_CELL).error is None
-    assert drive_steps(run_dir)[-1] == 100
-    assert_nothing_lost(run_dir, kernel)
+        train_on_to_the_end(kernel, run_dir, 100)

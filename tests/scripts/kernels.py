@@ -69,12 +69,8 @@ class NotebookKernel:
         return hits[0]
 
     def run_cell(self, marker: str, **kw) -> Ran:
-        """Run the cell that contains `marker` (the parameters cell is followed by the overrides)."""
-        source, tags = self.cells[self.index(marker)]
-        ran = self.execute(source, what=marker, **kw)
-        if "parameters" in tags and ran.error is None:
-            self.set(**self.params)
-        return ran
+        """Run the cell that contains `marker`."""
+        return self._run(self.index(marker), marker, **kw)
 
     def run_through(self, marker: str, *, upto: bool = False, **kw) -> Ran:
         """Run every code cell from the top to the one containing `marker` (`upto`: the one before it),
@@ -82,12 +78,17 @@ class NotebookKernel:
         last = self.index(marker) - (1 if upto else 0)
         ran = None
         for i in range(last + 1):
-            source, tags = self.cells[i]
-            ran = self.execute(source, what=f"cell {i}", **(kw if i == last else {}))
-            if "parameters" in tags and ran.error is None:
-                self.set(**self.params)
+            ran = self._run(i, f"cell {i}", **(kw if i == last else {}))
             if ran.error is not None:
                 break
+        return ran
+
+    def _run(self, i: int, what: str, **kw) -> Ran:
+        """Run code cell `i`; the parameters cell is followed by the overrides, as papermill does it."""
+        source, tags = self.cells[i]
+        ran = self.execute(source, what=what, **kw)
+        if "parameters" in tags and ran.error is None:
+            self.set(**self.params)
         return ran
 
     def set(self, **params) -> Ran:
