@@ -23,6 +23,7 @@ from .gauges.gauges import Gauges, plot_history
 from .memory import recipes  # noqa: F401  (ck.recipes.freeze_layers, as notebooks before 0.3 call it)
 from .memory.oom import MicroBatcher, OutOfMemoryError, free_memory, is_oom_error
 from .memory.oom import configure_allocator as _configure_allocator
+from .memory.plan import MemoryPlan, plan_memory
 from .memory.preflight import preflight
 from .memory.recipes import memory_args
 from .run.run import Run
@@ -55,6 +56,8 @@ __all__ = [
     "plot_history",
     "memory_args",
     "preflight",
+    "plan_memory",
+    "MemoryPlan",
     "read_events",
     "detect_runtime",
     "in_colab",

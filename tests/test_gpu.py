@@ -58,3 +58,19 @@ def test_seed_vs_kit_gpt2_on_a_capped_gpu():
     code, report, proc = run_script("bench/gpu_gpt2.py")
     assert code == 0 and report["ok"], json.dumps(report, indent=1)
     assert report["seed"]["out_of_memory"] and report["kit"]["peak_allocated_gib"] <= report["cap_gib"]
+
+
+@pytest.mark.slow
+def test_gpu_plan_script_code_path_on_cpu():
+    code, report, proc = run_script("bench/gpu_plan.py", "--cpu-smoke")
+    assert code == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert report["ok"] and len(report["rows"]) == 4
+    assert all(abs(r["error"]) <= 0.10 for r in report["rows"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: the memory plan against real steps under a "
+                    "15 GiB cap")
+def test_the_memory_plan_against_real_steps_on_a_capped_gpu():
+    code, report, proc = run_script("bench/gpu_plan.py")
+    assert code == 0 and report["ok"], json.dumps(report, indent=1)

@@ -78,8 +78,10 @@ def _weighted_loss(losses: list, items: list[int]):
 class TrainerMicroBatching:
     """Installs adaptive micro-batching on one Trainer for the duration of `run.train`."""
 
-    def __init__(self, run, trainer, *, grow_back_after: int | None = None, micro_batch: int | None = None):
+    def __init__(self, run, trainer, *, grow_back_after: int | None = None, micro_batch: int | None = None,
+                 planned: bool = False):
         self.run = run
+        self._planned = planned  # micro_batch came from a memory plan: a learned size replaces it
         self.trainer = trainer
         self.memory = MicroBatchMemory(run.drive_dir / MICRO_BATCH_FILE, run.notices, write=run.mirror.write_later)
         self.train = MicroBatcher(micro_batch, on_backoff=lambda r: self._on_backoff(r, training=True),
@@ -176,8 +178,12 @@ class TrainerMicroBatching:
 
     def _remembered(self, batcher: MicroBatcher, inputs) -> None:
         learned = self.memory.lookup(self._gpu, self.run.fingerprint["model"], _seq_len(inputs))
-        if learned is not None and (batcher.micro_batch is None or learned < batcher.micro_batch):
-            batcher.micro_batch = learned
+        if learned is None:
+            return
+        if batcher.micro_batch is None or learned < batcher.micro_batch or (batcher is self.train and self._planned):
+            batcher.micro_batch = learned  # what this GPU showed outranks a prediction
+        if batcher is self.train:
+            self._planned = False
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         t = self.trainer

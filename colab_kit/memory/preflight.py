@@ -75,6 +75,22 @@ def _optimizer_bytes(optim: str, params: list) -> tuple[int, str]:
     return sum(2 * p.numel() * max(p.element_size(), 4) for p in trainable), "AdamW: two fp32 states per parameter"
 
 
+def _plan_finding(plan) -> Finding:
+    """The memory verdict of a plan: nothing fits (error), the run as it is does not fit (warning), or it fits."""
+    budget = f"{format_bytes(plan.budget)} on the {plan.gpu.name}"
+    if plan.chosen is None:
+        return Finding("error", "memory_plan", f"no configuration fits in {budget} (batch {plan.batch} x "
+                       f"{plan.seq_len} tokens)", plan.advice())
+    current = next((r for r in plan.rows if r.current), None)
+    if current is not None and not current.fits:
+        return Finding("warning", "memory_plan", f"the run as it is ({current.describe()}) needs "
+                       f"{format_bytes(current.peak)} of {budget}: it would run out of memory at its first step",
+                       plan.advice())
+    row = current or plan.chosen
+    return Finding("info", "memory_plan", f"{row.describe()} needs {format_bytes(row.peak)} of {budget}",
+                   plan.advice())
+
+
 def _describe(module) -> str:
     import torch
 
@@ -138,7 +154,7 @@ def _checkpointing_starves_blocks(model, args) -> bool:
 
 
 def preflight(model, training_args=None, tokenizer=None, *, train_dataset=None, num_training_steps: int | None = None,
-              verbose: bool = True) -> PreflightReport:
+              plan=None, verbose: bool = True) -> PreflightReport:
     """Check a model and its training arguments before training; allocates nothing.
 
     Reports the parameter count and the memory of weights, gradients and optimizer state, and
@@ -151,6 +167,8 @@ def preflight(model, training_args=None, tokenizer=None, *, train_dataset=None, 
         training_args: the `TrainingArguments` to be used.
         tokenizer: its tokenizer.
         train_dataset, num_training_steps: to know the total steps when `max_steps` is not set.
+        plan: a memory plan (`ck.plan_memory`); default: the last one made for this model. With a plan,
+            the memory verdict is the plan's (activations included) instead of a count of the training state.
         verbose: print the report.
 
     Returns:
@@ -234,7 +252,12 @@ def preflight(model, training_args=None, tokenizer=None, *, train_dataset=None, 
         elif len(tokenizer) < rows:
             findings.append(Finding("info", "tokenizer_size", f"the embedding matrix has {rows - len(tokenizer):,} more "
                                     f"rows than the tokenizer has tokens (padding for speed is normal)", "nothing to do"))
-    if free_gpu is not None and memory["total"] > free_gpu:
+    from .plan import plan_for
+
+    plan = plan if plan is not None else plan_for(model)
+    if plan is not None:
+        findings.append(_plan_finding(plan))
+    elif free_gpu is not None and memory["total"] > free_gpu:
         findings.append(Finding("warning", "training_state",
                                 f"weights, gradients and optimizer state ({format_bytes(memory['total'])}; "
                                 f"{optimizer_note}) exceed the free GPU memory ({format_bytes(free_gpu)}) before any "

@@ -35,6 +35,7 @@ def train(run, trainer, *, oom_recovery: bool = True, grow_back_after: int | Non
     """The body of `Run.train` (see its docstring)."""
     from ..memory.microbatch import TrainerMicroBatching
     from ..memory.oom import OutOfMemoryError, is_fatal_cuda_error, is_oom_error
+    from ..memory.plan import planned_micro_batch
     from .finish import close_unheld_runs, finish_run
 
     # Refused before anything changes: the run stays open for a corrected call.
@@ -67,7 +68,15 @@ def train(run, trainer, *, oom_recovery: bool = True, grow_back_after: int | Non
     make_length_grouping_resumable(trainer)
     if resume is not None:
         train_kwargs["resume_from_checkpoint"] = resume
-    run.micro_batching = TrainerMicroBatching(run, trainer, grow_back_after=grow_back_after, micro_batch=micro_batch)
+    from_plan = None
+    if micro_batch is None and oom_recovery:  # a memory plan made for this trainer: its micro-batch first
+        from_plan, why = planned_micro_batch(trainer)
+        if from_plan is not None:
+            print(f"colab_kit: training starts with micro-batches of {from_plan}: {why}; a micro-batch learned on "
+                  f"this GPU, and any out-of-memory, still win")
+            run.journal.write("plan", micro_batch=from_plan)
+    run.micro_batching = TrainerMicroBatching(run, trainer, grow_back_after=grow_back_after,
+                                              micro_batch=micro_batch or from_plan, planned=from_plan is not None)
     guard = run.micro_batching if oom_recovery and run.micro_batching.install() else None
     status = "error"
     stop = StopButton(run)  # in a notebook: the first press saves this step and pauses, the second stops at once

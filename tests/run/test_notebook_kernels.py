@@ -29,6 +29,7 @@ NOTEBOOKS = {"gpt2": (GPT2, "distilgpt2-wikitext"), "rna": (RNA, "rna-bert")}
 START_RUN_CELL = "run = ck.start_run(RUN_NAME"
 FINISH_CELL = "run.finish()"
 TRAINING_CELL = "result = run.train(trainer)"  # the same line in both notebooks
+TRAINER_CELL = "trainer = Trainer("
 
 
 def events(run_dir: Path, what: str | None = None) -> list[dict]:
@@ -124,6 +125,7 @@ def test_a_changed_learning_rate_says_what_the_rate_will_do(tmp_path):
         assert kernel.run_through(TRAINING_CELL).error is None, kernel.transcript()
         kernel.set(LEARNING_RATE=0.001, MAX_STEPS=40)  # edited in the parameters cell, then run on from start_run
         assert kernel.run_cell(START_RUN_CELL).error is None, kernel.transcript()
+        assert kernel.run_cell(TRAINER_CELL).error is None, kernel.transcript()  # the arguments use the parameters
         ran = kernel.run_cell(TRAINING_CELL)
         assert ran.error is None, kernel.transcript()
         assert "learning_rate 0.002 -> 0.001 is not applied" in ran.text, ran

@@ -1,0 +1,320 @@
+"""One training step of the user's own model, traced without its memory: the plan's measurements.
+
+The model is copied with fake tensors (`FakeTensorMode`: shapes and dtypes, no storage; the user's
+model is left as it is), an optimizer of the same class and settings is made for the copy and its
+state created, and one step (forward under the autocast the Trainer would use, backward, optimizer
+step) runs under PyTorch's own memory tracker (`torch.distributed._tools.mem_tracker.MemTracker`),
+which follows every tensor made and freed and reports the peak in categories: weights, gradients,
+optimizer state, activations, temporaries. A trace costs the dispatch of the step's operations
+(seconds for BERT-base), none of their arithmetic. The tracker's tests accept 10 % of the CUDA
+peak; the kit's CPU tests hold it to that against the profiler's own allocation events.
+
+Two things the CPU would do differently from the GPU are set as the GPU does them:
+- **Attention.** On a CUDA GPU, scaled-dot-product attention runs a fused kernel (FlashAttention-2
+  from sm80, the memory-efficient kernel on a T4) that never holds the sequence x sequence scores,
+  with dropout too; on the CPU, attention dropout sends it to the math path, which holds them. The
+  trace calls it without dropout, as the fused kernels' memory is: their dropout keeps a seed.
+- **Allocation.** PyTorch's caching allocator rounds every block up to 512 bytes; the tracker does so
+  for CUDA tensors, and here for the CPU's too when the plan is for a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import time
+import warnings
+from dataclasses import dataclass
+
+__all__ = ["StepTrace", "FakeStep", "PRECISIONS"]
+
+PRECISIONS = ("fp32", "fp16", "bf16")
+_CATEGORIES = {"Parameter": "weights", "Buffer": "buffers", "Gradient": "gradients", "Activation": "activations",
+               "Temp": "temporaries", "Optstate": "optimizer", "Other": "inputs"}
+
+
+@dataclass
+class StepTrace:
+    """One traced step: bytes live at its peak, split into categories, and what the step costs."""
+
+    peak: int
+    parts: dict  # category -> bytes at the peak (weights, buffers, gradients, optimizer, activations, ...)
+    gradients: int  # every gradient, once the backward pass is over
+    flops: int  # of the forward and backward passes (recomputation included)
+    ops: int  # operations dispatched (each a kernel launch on a GPU)
+    seconds: float
+
+
+class FakeStep:
+    """The user's model copied with fake tensors, with an optimizer whose state exists, ready to trace
+    steps in several configurations.
+
+    Args:
+        model: the user's `torch.nn.Module` (any device; left untouched).
+        optimizer: the user's optimizer (its class and settings are copied), a function making one from
+            parameters, or None for AdamW. Its multi-tensor (`foreach`) form is used, as on a GPU.
+        round_to: bytes each allocation is rounded up to (512 for a GPU's caching allocator, 1 for exact).
+        freeze: blocks to freeze at the bottom of the copy (`recipes.freeze_layers`), 0 for none.
+    """
+
+    def __init__(self, model, optimizer=None, *, round_to: int = 512, freeze: int = 0):
+        import torch
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        self.torch = torch
+        self.round_to = round_to
+        self.mode = FakeTensorMode(allow_non_fake_inputs=True)
+        self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        with self.mode, _quiet():
+            self.model = _fake_copy(model, self.mode, {})
+            if freeze:
+                from .recipes import freeze_layers
+
+                freeze_layers(self.model, freeze)
+            params = [p for p in self.model.parameters() if p.requires_grad]
+            self.optimizer = _same_optimizer(optimizer, params, torch)
+            for p in params:  # the state the optimizer holds from its first step on
+                p.grad = torch.zeros_like(p)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        self.weights = _bytes(self.model.parameters(), round_to)
+        self.buffers = _bytes(self.model.buffers(), round_to)
+        self.trainable = _bytes(params, round_to)
+        self.optimizer_state = _bytes((v for s in self.optimizer.state.values() for v in s.values()
+                                       if torch.is_tensor(v)), round_to)
+
+    @property
+    def can_checkpoint(self) -> bool:
+        return bool(getattr(self.model, "supports_gradient_checkpointing", False))
+
+    def trace(self, batch: dict, *, precision: str = "fp32", checkpointing: bool = False,
+              keep_outputs: bool = False, optimizer_step: bool = False) -> StepTrace:
+        """Forward (under autocast for fp16/bf16), backward, and the optimizer step when asked.
+
+        Args:
+            batch: name -> (shape, dtype) of the inputs the model is called with.
+            keep_outputs: keep the model's outputs alive through the backward pass, as a plain loop's
+                `out = model(**batch); out.loss.backward()` does; the Trainer keeps only the loss.
+        """
+        torch = self.torch
+        from torch.distributed._tools.mem_tracker import MemTracker
+
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision={precision!r}: one of {PRECISIONS}")
+        started = time.perf_counter()
+        with self.mode, _quiet(), _checkpointing(self.model, checkpointing), _fused_attention(torch), \
+                _rounding(self.round_to):
+            inputs = {k: torch.zeros(shape, dtype=dtype, device=self.device) for k, (shape, dtype) in batch.items()}
+            tracker = MemTracker()
+            tracker.track_external(self.model, self.optimizer, *inputs.values())
+            counter = _OpCounter()
+            self.model.train()
+            with tracker, counter:
+                autocast = (torch.autocast(self.device.type, dtype=getattr(torch, {"fp16": "float16"}.get(
+                    precision, "bfloat16"))) if precision != "fp32" else contextlib.nullcontext())
+                with autocast:
+                    outputs = self.model(**inputs)
+                loss = outputs["loss"] if isinstance(outputs, dict) or hasattr(outputs, "keys") else outputs[0]
+                if not keep_outputs:
+                    del outputs
+                loss.backward()
+                gradients = _bytes((p.grad for p in self.model.parameters() if p.grad is not None), self.round_to)
+                if optimizer_step:
+                    self.optimizer.step()
+                del loss
+                outputs = None
+            self.optimizer.zero_grad(set_to_none=True)
+            parts = _parts(tracker.get_tracker_snapshot("peak"))
+        peak = parts.pop("Total")
+        return StepTrace(peak=peak, parts=parts, gradients=gradients, flops=int(counter.flops),
+                         ops=counter.count, seconds=time.perf_counter() - started)
+
+
+    def trace_optimizer_step(self) -> StepTrace:
+        """The optimizer step alone, with every gradient there: its peak does not depend on the batch,
+        the precision or checkpointing."""
+        torch = self.torch
+        from torch.distributed._tools.mem_tracker import MemTracker
+
+        started = time.perf_counter()
+        with self.mode, _quiet(), _rounding(self.round_to):
+            tracker = MemTracker()
+            tracker.track_external(self.model, self.optimizer)
+            counter = _OpCounter()
+            with tracker, counter:
+                for p in self.model.parameters():
+                    if p.requires_grad:
+                        p.grad = torch.zeros_like(p)
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+            parts = _parts(tracker.get_tracker_snapshot("peak"))
+        return StepTrace(peak=parts.pop("Total"), parts=parts, gradients=self.trainable, flops=0, ops=counter.count,
+                         seconds=time.perf_counter() - started)
+
+
+def _bytes(tensors, round_to: int = 1) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None or id(t) in seen:
+            continue
+        seen.add(id(t))
+        size = t.numel() * t.element_size()
+        total += -(-size // round_to) * round_to
+    return total
+
+
+def _parts(snapshot) -> dict:
+    """The tracker's peak snapshot, summed over devices, with the kit's names."""
+    parts: dict = {}
+    for per_device in snapshot.values():
+        for key, value in per_device.items():
+            name = _CATEGORIES.get(getattr(key, "value", key), "Total" if key == "Total" else str(key))
+            parts[name] = parts.get(name, 0) + int(value)
+    return parts
+
+
+def _fake_copy(module, mode, memo: dict):
+    """A copy of `module` whose parameters and buffers are fake; shared (tied) tensors stay shared.
+    Hook dictionaries are copied too, so that what the copy registers never reaches the original."""
+    if id(module) in memo:
+        return memo[id(module)]
+    clone = copy.copy(module)
+    memo[id(module)] = clone
+    for key, value in list(vars(clone).items()):
+        if key.startswith("_") and isinstance(value, dict):
+            setattr(clone, key, type(value)(value) if type(value) is not dict else dict(value))
+    clone._parameters = {name: None if p is None else _fake_tensor(p, mode, memo, parameter=True)
+                         for name, p in module._parameters.items()}
+    clone._buffers = {name: None if b is None else _fake_tensor(b, mode, memo)
+                      for name, b in module._buffers.items()}
+    clone._modules = {name: None if m is None else _fake_copy(m, mode, memo) for name, m in module._modules.items()}
+    if "config" in vars(module):  # a transformers model: what checkpointing changes in it stays in the copy
+        clone.config = memo.setdefault(("config", id(module.config)), copy.copy(module.config))
+    return clone
+
+
+def _fake_tensor(t, mode, memo: dict, parameter: bool = False):
+    import torch
+
+    if ("tensor", id(t)) in memo:
+        return memo[("tensor", id(t))]
+    fake = mode.from_tensor(t.detach())
+    if parameter:
+        fake = torch.nn.Parameter(fake, requires_grad=t.requires_grad)
+    memo[("tensor", id(t))] = fake
+    return fake
+
+
+def _same_optimizer(optimizer, params, torch):
+    """An optimizer of the user's class and settings for the fake parameters (AdamW when none is given),
+    in its multi-tensor form, which PyTorch picks on a GPU."""
+    if optimizer is None:
+        made = torch.optim.AdamW(params, lr=5e-5)
+    elif callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
+        made = optimizer(params)
+    else:
+        import inspect
+
+        accepted = inspect.signature(type(optimizer).__init__).parameters
+        settings = {k: v for k, v in optimizer.defaults.items() if k in accepted}  # AdamW's defaults hold Adam's
+        try:
+            made = type(optimizer)(params, **settings)
+        except Exception as exc:  # an optimizer that cannot be rebuilt from its defaults
+            raise ValueError(f"cannot make a {type(optimizer).__name__} for the traced copy ({exc}); pass "
+                             f"optimizer=None to plan with AdamW") from exc
+    for group in made.param_groups:
+        if "foreach" in group and not group.get("fused"):
+            group["foreach"] = True
+    return made
+
+
+class _OpCounter:
+    """Counts the operations a step dispatches and their FLOPs (PyTorch's own formulas, as its
+    `FlopCounterMode` has them; that mode itself keeps non-reentrant checkpointing's activations alive)."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils.flop_counter import flop_registry
+
+        counter = self
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                out = func(*args, **kwargs)
+                counter.count += 1
+                formula = flop_registry.get(func._overloadpacket)
+                if formula is not None:
+                    counter.flops += formula(*args, **kwargs, out_val=out)
+                return out
+
+        self.count = self.flops = 0
+        self._mode = _Mode()
+
+    def __enter__(self):
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._mode.__exit__(*exc)
+
+
+@contextlib.contextmanager
+def _checkpointing(model, on: bool):
+    """Gradient checkpointing on the fake copy only (non-reentrant, as transformers 5 does it)."""
+    if not on:
+        yield
+        return
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    try:
+        yield
+    finally:
+        disable = getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable
+        disable()
+
+
+@contextlib.contextmanager
+def _fused_attention(torch):
+    """Scaled-dot-product attention as a GPU's fused kernel holds it: without the CPU's math path."""
+    functional = torch.nn.functional
+    original = functional.scaled_dot_product_attention
+
+    def fused(query, key, value, attn_mask=None, dropout_p=0.0, *args, **kwargs):
+        return original(query, key, value, attn_mask, 0.0, *args, **kwargs)
+
+    functional.scaled_dot_product_attention = fused
+    try:
+        yield
+    finally:
+        functional.scaled_dot_product_attention = original
+
+
+@contextlib.contextmanager
+def _rounding(round_to: int):
+    """Every tracked allocation rounded up as the caching allocator rounds it (the tracker does this for
+    CUDA tensors only)."""
+    from torch.distributed._tools import mem_tracker
+
+    original = mem_tracker._WeakRefInfo._calculate_mem_consumed
+
+    def rounded(self) -> int:
+        size = self.size * self.element_size
+        return -(-size // round_to) * round_to
+
+    if round_to > 1:
+        mem_tracker._WeakRefInfo._calculate_mem_consumed = rounded
+    try:
+        yield
+    finally:
+        mem_tracker._WeakRefInfo._calculate_mem_consumed = original
+
+
+@contextlib.contextmanager
+def _quiet():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
