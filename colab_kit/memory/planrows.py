@@ -16,7 +16,7 @@ from .gpus import GpuTarget
 from .planinputs import PlanInputs
 from .steptrace import FakeStep
 
-__all__ = ["PlanRow", "make_rows", "micro_batches"]
+__all__ = ["PlanRow", "make_rows", "micro_batches", "step_parts"]
 
 CUBLAS_WORKSPACE = 9 << 20  # PyTorch's default cuBLAS (4 MiB x 2 + small) and cuBLASLt (1 MiB) workspaces
 UTILISATION = 0.5  # of the datasheet rate a training step's matrix products reach
@@ -93,7 +93,7 @@ def make_rows(inputs: PlanInputs, target: GpuTarget, budget: int, *, freeze: int
                     baseline = seconds + trace.ops * LAUNCH_S
                 for m in micro_batches(inputs.batch_size):
                     k = -(-inputs.batch_size // m)
-                    parts = _parts(trace, step, optimizer_peak, swap, m / inputs.batch_size, k)
+                    parts = step_parts(trace, step, optimizer_peak, swap, m / inputs.batch_size, k)
                     peak = sum(parts.values()) + fixed
                     parts["fixed"] = fixed
                     rows.append(PlanRow(precision=precision, checkpointing=ckpt, micro_batch=m, micro_batches=k,
@@ -104,7 +104,7 @@ def make_rows(inputs: PlanInputs, target: GpuTarget, budget: int, *, freeze: int
     return rows, _host(main)
 
 
-def _parts(trace, step: FakeStep, optimizer_peak, swap: int, share: float, k: int) -> dict:
+def step_parts(trace, step: FakeStep, optimizer_peak, swap: int, share: float, k: int) -> dict:
     """The bytes at the larger of the forward/backward peak and the optimizer step's peak."""
     p = trace.parts
     weights = p.get("weights", 0) + p.get("buffers", 0)

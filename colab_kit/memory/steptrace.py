@@ -71,14 +71,15 @@ class FakeStep:
                 from .recipes import freeze_layers
 
                 freeze_layers(self.model, freeze)
+            self.frozen = _frozen_as_buffers(self.model, round_to)
             params = [p for p in self.model.parameters() if p.requires_grad]
             self.optimizer = _same_optimizer(optimizer, params, torch)
             for p in params:  # the state the optimizer holds from its first step on
                 p.grad = torch.zeros_like(p)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-        self.weights = _bytes(self.model.parameters(), round_to)
-        self.buffers = _bytes(self.model.buffers(), round_to)
+        self.weights = _bytes(self.model.parameters(), round_to) + self.frozen
+        self.buffers = _bytes(self.model.buffers(), round_to) - self.frozen
         self.trainable = _bytes(params, round_to)
         self.optimizer_state = _bytes((v for s in self.optimizer.state.values() for v in s.values()
                                        if torch.is_tensor(v)), round_to)
@@ -191,6 +192,19 @@ def _fake_copy(module, mode, memo: dict):
     if "config" in vars(module):  # a transformers model: what checkpointing changes in it stays in the copy
         clone.config = memo.setdefault(("config", id(module.config)), copy.copy(module.config))
     return clone
+
+
+def _frozen_as_buffers(model, round_to: int) -> int:
+    """Frozen parameters of the copy held as buffers (the same bytes, no gradient, no optimizer state):
+    the memory tracker hooks every parameter's gradient and cannot hook one that takes none. Returns
+    their bytes."""
+    moved: dict = {}
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None and not p.requires_grad:
+                del module._parameters[name]
+                module._buffers[name] = moved.setdefault(id(p), p.detach())
+    return _bytes(moved.values(), round_to)
 
 
 def _fake_tensor(t, mode, memo: dict, parameter: bool = False):

@@ -16,7 +16,7 @@ from transformers import BertConfig, BertForSequenceClassification, GPT2Config, 
 
 import colab_kit as ck
 from colab_kit.memory.plan import planned_micro_batch
-from colab_kit.memory.planrows import _parts, micro_batches
+from colab_kit.memory.planrows import micro_batches, step_parts
 from colab_kit.memory.steptrace import FakeStep
 from measured_peak import measured_step_peak
 
@@ -97,15 +97,30 @@ def test_weights_gradients_and_optimizer_state_are_exact_to_the_byte(kind):
 
 @pytest.mark.parametrize("kind", ["bert", "gpt2"])
 def test_a_planned_micro_batch_is_within_ten_percent_of_a_measured_accumulation(kind):
-    """The plan's rule for a micro-batch (`planrows._parts`: every gradient, the activations at the traced
+    """The plan's rule for a micro-batch (`planrows.step_parts`: every gradient, the activations at the traced
     peak scaled by its share) against two micro-batches of 4 measured as they accumulate."""
     batch = batch_for(kind, 8, 128)
     step = FakeStep(build(kind), None, round_to=1)
     trace = step.trace(spec_of(batch))
-    parts = _parts(trace, step, step.trace_optimizer_step(), 0, share=4 / 8, k=2)
+    parts = step_parts(trace, step, step.trace_optimizer_step(), 0, share=4 / 8, k=2)
     actual = measured(kind, batch, "fp32", False, micro_batches=2)
     print(f"{kind}: micro-batches of 4 predicted {sum(parts.values()):,} B, measured {actual:,} B")
     assert abs(sum(parts.values()) - actual) / actual <= 0.10
+
+
+def test_frozen_layers_take_no_gradient_and_no_optimizer_state():
+    from colab_kit.memory.recipes import freeze_layers
+
+    whole, frozen = FakeStep(build("gpt2"), None, round_to=1), FakeStep(build("gpt2"), None, round_to=1, freeze=1)
+    reference = build("gpt2")
+    freeze_layers(reference, 1)
+    frozen_bytes = sum(p.numel() * p.element_size() for p in reference.parameters() if not p.requires_grad)
+    assert frozen.weights == whole.weights and whole.trainable - frozen.trainable == frozen_bytes > 0
+    assert frozen.optimizer_state < whole.optimizer_state
+    model = build("gpt2")
+    freeze_layers(model, 1)  # a model the user froze: planned as it is (the tracker cannot hook a frozen weight)
+    plan = ck.plan_memory(model, batch=batch_for("gpt2", 4, 64), gpu="T4", verbose=False, freeze=None)
+    assert plan.chosen is not None and all(not p.requires_grad for p in model.get_input_embeddings().parameters())
 
 
 def test_micro_batches_halve_down_to_one_row():
