@@ -120,9 +120,13 @@ def _longest(lengths, trainer, example_len, example, notes) -> tuple[int, str]:
     longest = max(found)
     ordered = sorted(found)
     median, p95 = ordered[len(ordered) // 2], ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))]
-    fixed = example_len > max(_lengths_of_rows(example))  # the collator pads to a fixed length
-    seq = max(longest, example_len) if fixed else longest
+    multiple = getattr(getattr(trainer, "data_collator", None), "pad_to_multiple_of", None) or 1
+    padded = -(-max(_lengths_of_rows(example)) // multiple) * multiple
+    fixed = example_len > padded  # the collator pads every batch to one length
+    seq = max(longest, example_len) if fixed else -(-longest // multiple) * multiple
     note = f"planned for {seq} tokens: the longest of {len(found):,} sequences (median {median}, 95 % up to {p95})"
+    if multiple > 1 and not fixed:
+        note += f", padded to a multiple of {multiple}"
     if fixed:
         note += f"; the collator pads every batch to {example_len}"
     return seq, note

@@ -9,6 +9,7 @@ disconnects, kernel restarts and takeovers, and checks the invariants I1-I5 afte
 `python tests/sim/simulate.py --seed N --trace` replays it.
 """
 
+import os
 import sys
 from pathlib import Path
 
@@ -23,8 +24,12 @@ from colab_kit.checkpoints import looks, search  # noqa: E402
 
 KIT_RETRY_WAITS, KIT_WAITS = search.RETRY_WAITS, looks.WAITS  # read at import, before any fixture patches them
 
-SCHEDULES = 10_000
-CHUNKS = 8  # run side by side by pytest's workers
+# The test command runs the first 1,000 seeded schedules; .ci/run runs 10,000 in a step of its own
+# (COLAB_KIT_SIMULATIONS=10000 on both cores: about 45 s), which kept the test command under 12 minutes.
+# An old rule is looked for in the first 10,000 either way (the heartbeat's is first found at seed 1624).
+SCHEDULES = int(os.environ.get("COLAB_KIT_SIMULATIONS", "1000"))
+SEARCH = 10_000
+CHUNKS = 4  # run side by side by pytest's workers
 
 
 @pytest.fixture(autouse=True)
@@ -39,13 +44,13 @@ def the_kits_own_spacing(monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("chunk", range(CHUNKS))
-def test_no_invariant_breaks_over_ten_thousand_faulty_drives(chunk):
+def test_no_invariant_breaks_over_thousands_of_faulty_drives(chunk):
     seeds = range(chunk * SCHEDULES // CHUNKS, (chunk + 1) * SCHEDULES // CHUNKS)
     failed, totals = run_seeds(seeds)
     assert not failed, report(failed[0])
     assert totals["schedules"] == len(seeds)
     assert set(totals["modes"]) == {"attrs", "none", "other", "api", "api-none"}  # every kind of Drive
-    assert totals["long"] >= 5 and totals["resumes"] > len(seeds) // 10  # 12-hour runs, and many resumes
+    assert totals["long"] >= len(seeds) // 250 and totals["resumes"] > len(seeds) // 10  # 12-hour runs, many resumes
     print(f"chunk {chunk}: {totals['schedules']} schedules, {totals['long']} of 12 h, {totals['virtual_hours']:.0f} "
           f"virtual hours, {totals['starts']} starts, {totals['resumes']} resumes, in {totals['seconds']:.1f} s")
 
@@ -54,6 +59,6 @@ def test_no_invariant_breaks_over_ten_thousand_faulty_drives(chunk):
 @pytest.mark.parametrize("rule", sorted(OLD_RULES))
 def test_the_simulator_finds_each_old_rule_by_itself(rule):
     with patched(rule):
-        failed, totals = run_seeds(range(SCHEDULES), stop_at_first=True)
+        failed, totals = run_seeds(range(SEARCH), stop_at_first=True)
         assert failed, f"the old rule {rule} was put back, and {totals['schedules']} schedules found nothing"
         print(f"old rule {rule}: found after {totals['schedules']} schedules\n" + report(failed[0], shrunk=False))
