@@ -247,6 +247,7 @@ class _OpCounter:
     `FlopCounterMode` has them; that mode itself keeps non-reentrant checkpointing's activations alive)."""
 
     def __init__(self):
+        import torch
         from torch.utils._python_dispatch import TorchDispatchMode
         from torch.utils.flop_counter import flop_registry
 
@@ -255,6 +256,11 @@ class _OpCounter:
         class _Mode(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 kwargs = kwargs or {}
+                if func is torch.ops.aten._local_scalar_dense.default:
+                    # A tensor's value read in Python (transformers 4.57's `(mask == 1).all()`): fake tensors
+                    # have none, so the trace takes the common branch (no padding; a count of one).
+                    dtype = args[0].dtype
+                    return True if dtype == torch.bool else 1.0 if dtype.is_floating_point else 1
                 out = func(*args, **kwargs)
                 counter.count += 1
                 formula = flop_registry.get(func._overloadpacket)
