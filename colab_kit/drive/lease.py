@@ -67,6 +67,7 @@ class Lease:
         self.took_over_because: str | None = None
         self.acquired_at: float | None = None  # clock.monotonic() when acquired
         self.quiet_s = 0.0  # after a takeover: how long the runtime it replaced may not have seen it yet
+        self.watched_s = 0.0  # how long the last acquire watched another host's lease
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -83,6 +84,7 @@ class Lease:
                 may be alive), unless `takeover`.
         """
         self.took_over_because = None
+        self.watched_s = 0.0
         if takeover:  # asked for: whose lease it was is said if it can be read, and taken either way
             try:
                 previous = read_lease(self.path)
@@ -100,8 +102,14 @@ class Lease:
                     if stale is None:
                         raise self._held(previous, run_name)
                     self.took_over_because = stale
-                elif not self._dead_while_watched(previous, on_watch, run_name, quick=stale is not None):
-                    raise self._held(previous, run_name)
+                else:
+                    watch_started = clock.monotonic()
+                    try:
+                        alive = not self._dead_while_watched(previous, on_watch, run_name, quick=stale is not None)
+                    finally:
+                        self.watched_s = clock.monotonic() - watch_started
+                    if alive:
+                        raise self._held(previous, run_name)
         why = "asked for (takeover=True)" if takeover else (self.took_over_because or "nobody else holds it")
         act("take the lease", LEASE, [lambda: None], self._write_patiently)  # the proof: `why`, reached above
         log.debug("lease of %s taken: %s", self.path.parent, why)

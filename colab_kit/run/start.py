@@ -228,7 +228,8 @@ def open_claimed(name: str, drive_dir: Path, local: Path, *, lease: Lease, runti
                   host=lease.info.host, pid=lease.info.pid, colab=runtime.colab,
                   gpu=runtime.gpu.name if runtime.gpu else None, ram_limit=runtime.ram_limit_bytes,
                   save_every=save_every, keep=keep, durability=run.durability, world_size=ranks.world_size,
-                  took_over=replaced.host if replaced else None, took_over_because=lease.took_over_because)
+                  took_over=replaced.host if replaced else None, took_over_because=lease.took_over_because,
+                  watched_s=round(lease.watched_s, 2))
     _journal_found(run, found, archived)
     return run, found, archived
 

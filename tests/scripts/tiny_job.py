@@ -117,13 +117,11 @@ def start(args, **overrides):
     kwargs = dict(drive=args.drive, local_dir=args.local, save_every=args.save_every, keep=args.keep,
                   heartbeat_s=args.heartbeat, settle=args.settle, assumed_rate=args.assumed_rate,
                   confirm=args.confirm) | overrides
-    started = time.monotonic()
     try:
         run = ck.start_run(args.name, **kwargs)
     except ck.LeaseHeldError as exc:
         print(f"LEASE HELD: {exc}", flush=True)
         sys.exit(3)
-    print(f"START_RUN_S={time.monotonic() - started:.2f}", flush=True)
     return run
 
 
