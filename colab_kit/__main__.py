@@ -26,6 +26,30 @@ def _literal(text: str):
         return text
 
 
+def _kernel_manager_class():
+    """The kernel manager for a headless run: a kernel that prints nothing of its own into the job's output.
+
+    - IPC transport (Unix sockets in Jupyter's runtime folder): ipykernel 7 warns at every start that a TCP
+      kernel without CurveZMQ keys "is susceptible to eavesdropping", and a headless run needs no network.
+    - Python's frozen modules off (Python 3.11+): the debugger that ipykernel 6 imports (Colab's 6.17.1)
+      warns at start that frozen modules "may make the debugger miss breakpoints".
+    """
+    from jupyter_client.manager import AsyncKernelManager
+
+    class QuietKernelManager(AsyncKernelManager):
+        def __init__(self, **kwargs):
+            kwargs.setdefault("transport", "ipc")
+            super().__init__(**kwargs)
+
+        def format_kernel_cmd(self, extra_arguments=None):
+            cmd = super().format_kernel_cmd(extra_arguments)
+            if cmd and Path(cmd[0]).name.startswith("python"):  # an unknown -X option is ignored before 3.11
+                cmd.insert(1, "-Xfrozen_modules=off")
+            return cmd
+
+    return QuietKernelManager
+
+
 def run_notebook(notebook: str, parameters: dict, output: str | None, timeout: int | None) -> int:
     try:
         import papermill
@@ -42,7 +66,8 @@ def run_notebook(notebook: str, parameters: dict, output: str | None, timeout: i
     started = time.monotonic()
     try:
         papermill.execute_notebook(str(src), str(out), parameters=parameters, cwd=str(Path.cwd()),
-                                   log_output=True, progress_bar=False, execution_timeout=timeout)
+                                   log_output=True, progress_bar=False, execution_timeout=timeout,
+                                   kernel_manager_class=_kernel_manager_class())
     except papermill.PapermillExecutionError as exc:
         print(f"\nthe notebook failed in cell {exc.exec_count}: {exc.ename}: {exc.evalue}\n"
               f"see {out} for the full output", file=sys.stderr)

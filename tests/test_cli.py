@@ -54,6 +54,10 @@ def test_run_executes_a_notebook_with_parameters(tmp_path, monkeypatch):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert json.loads((tmp_path / "result.json").read_text()) == {"steps": 7, "name": "demo"}
     assert (tmp_path / "outputs" / "tiny.ipynb").exists()
+    # Only what the kit prints: no kernel's warning about TCP without encryption (ipykernel 7), no debugger's
+    # about frozen modules (ipykernel 6, as in Colab), nothing on stderr.
+    assert proc.stderr == "", proc.stderr
+    assert [line.split(" ")[0] for line in proc.stdout.splitlines()] == ["running", "done"], proc.stdout
 
 
 @pytest.mark.slow

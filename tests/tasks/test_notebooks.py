@@ -47,6 +47,22 @@ def test_committed_clean_with_parameters_and_colab_gpu_metadata(path):
     assert "colab-badge.svg" in first and f"notebooks/{path.name}" in first
 
 
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_committed_valid_with_cell_ids_as_nbformat_writes_them(path):
+    """A cell without an id makes nbformat warn in the middle of the main job's output (MissingIDFieldWarning)."""
+    import warnings
+
+    import nbformat
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        nb = nbformat.read(path, as_version=4)
+        nbformat.validate(nb)
+    ids = [cell.get("id") for cell in nb.cells]
+    assert all(ids) and len(set(ids)) == len(ids), "give every cell a unique id (nbformat 4.5)"
+    assert path.read_text() == nbformat.writes(nb) + "\n", "write the notebook as nbformat does (sorted keys)"
+
+
 def test_rna_notebook_never_applies_an_english_wordpiece_tokenizer():
     import inspect
 
