@@ -9,6 +9,7 @@ import name 'merge_with_config_defaults'" (measured on multimolecule 0.2.2; 5.2.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, version
 
 from ..errors import ColabKitError
@@ -32,10 +33,12 @@ def _too_old(installed: str | None) -> bool:
     return installed is None or Version(installed).release[:2] < _MINIMUM
 
 
-def multimolecule_install() -> list[str]:
-    """The pip requirements that make `from multimolecule import ...` work here ([] when it does)."""
-    wanted = [] if _installed("multimolecule") else ["multimolecule"]
-    if _too_old(_installed("transformers")):
+def multimolecule_install(installed: Callable[[str], str | None] | None = None) -> list[str]:
+    """The pip requirements that make `from multimolecule import ...` work here ([] when it does).
+    `installed` says a package's version (None: not installed); default: this runtime's."""
+    installed = installed or _installed
+    wanted = [] if installed("multimolecule") else ["multimolecule"]
+    if _too_old(installed("transformers")):
         wanted.append(MULTIMOLECULE_NEEDS)
     return wanted
 
