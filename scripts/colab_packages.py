@@ -166,7 +166,8 @@ def dry_run(project: Path, extras: list[str], colab: Colab, constraints: Path = 
                str(project), *extras]
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
         if out.returncode != 0:
-            lines = [line for line in out.stderr.splitlines() if "is ignored: it is neither" not in line]
+            # pip says what conflicts on stdout ("The conflict is caused by: ..."), that it failed on stderr.
+            lines = [line for line in (out.stdout + out.stderr).splitlines() if "is ignored: it is neither" not in line]
             cause = [line.strip() for line in lines if " depends on " in line or "(constraint)" in line]
             raise Conflict("pip cannot install the kit into Colab's package set without changing it:\n  "
                            + "\n  ".join(cause or lines[-15:]))
