@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import os
 import sys
 import time
 from pathlib import Path
@@ -27,30 +28,24 @@ def _literal(text: str):
 
 
 def _kernel_manager_class():
-    """The kernel manager for a headless run: a kernel that prints nothing of its own into the job's output.
-
-    - IPC transport (Unix sockets in Jupyter's runtime folder): ipykernel 7 warns at every start that a TCP
-      kernel without CurveZMQ keys "is susceptible to eavesdropping", and a headless run needs no network.
-    - Python's frozen modules off (Python 3.11+): the debugger that ipykernel 6 imports (Colab's 6.17.1)
-      warns at start that frozen modules "may make the debugger miss breakpoints".
-    """
+    """The kernel manager for a headless run: IPC transport (Unix sockets in Jupyter's runtime folder).
+    ipykernel 7 warns at every start that a kernel on TCP without CurveZMQ keys "is susceptible to
+    eavesdropping"; a headless run on one machine needs no network at all."""
     from jupyter_client.manager import AsyncKernelManager
 
-    class QuietKernelManager(AsyncKernelManager):
+    class IpcKernelManager(AsyncKernelManager):
         def __init__(self, **kwargs):
             kwargs.setdefault("transport", "ipc")
             super().__init__(**kwargs)
 
-        def format_kernel_cmd(self, extra_arguments=None):
-            cmd = super().format_kernel_cmd(extra_arguments)
-            if cmd and Path(cmd[0]).name.startswith("python"):  # an unknown -X option is ignored before 3.11
-                cmd.insert(1, "-Xfrozen_modules=off")
-            return cmd
-
-    return QuietKernelManager
+    return IpcKernelManager
 
 
 def run_notebook(notebook: str, parameters: dict, output: str | None, timeout: int | None) -> int:
+    # ipykernel 6 (Colab's 6.17.1) imports the debugger in this process and in the kernel, and on Python
+    # 3.11+ the debugger warns that frozen modules "may make the debugger miss breakpoints". Nothing here
+    # debugs: its own setting turns that check off (set before ipykernel is imported; the kernel inherits it).
+    os.environ.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")
     try:
         import papermill
     except ImportError:

@@ -6,9 +6,10 @@ nothing that Colab preinstalled.
     python scripts/colab_packages.py align [--verify]
 
 `generate` turns the runtime's published package list (googlecolab/backend-info, `pip-freeze.gpu.txt`) into
-`constraints-colab.txt`: one `name==version` per package. Lines pip cannot find on PyPI are kept as comments:
-the CUDA builds (`torch==2.11.0+cu128`: a local version label, from PyTorch's own index) and packages
-installed from an address. `check` asks pip what installing the kit (and what the notebooks' install cells
+`constraints-colab.txt`: one `name==version` per package. Kept as comments, not pinned: the CUDA builds pip
+cannot find on PyPI (`torch==2.11.0+cu128`: a local version label, from PyTorch's own index), the CUDA stack
+that follows torch's build (NVIDIA's libraries, cuda-*, triton: PyPI's torch 2.11.0 is built for CUDA 13
+and brings its own), and packages installed from an address. `check` asks pip what installing the kit (and what the notebooks' install cells
 add) into Colab would do: a dry run with a report, from an empty target, for Colab's Python and glibc, binary
 wheels only, every package held to Colab's version. Colab's torch takes part as a stand-in wheel that has
 its name and version and nothing else, so every requirement on torch (the kit's, accelerate's) is checked
@@ -39,6 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CONSTRAINTS = ROOT / "constraints-colab.txt"
 _PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+)$")
 _HELD = re.compile(r"^#\s+held:\s+([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+)")
+_CUDA_STACK = re.compile(r"^(nvidia-.+-cu\d+|cuda-.+|triton)$", re.IGNORECASE)
 _PYTHON = re.compile(r"Python (3\.\d+\.\d+)")
 
 
@@ -68,7 +70,7 @@ def generate(freeze: str, glibc: str = "2.35") -> str:
     if python is None:
         raise SystemExit("the list's first lines do not say which Python it was taken on ('Python 3.x.y'): "
                          "add that line, as the copy in ../shared/data/colab/ has it")
-    pins, held, addressed = [], [], []
+    pins, held, cuda, addressed = [], [], [], []
     for line in freeze.splitlines():
         line = line.strip()
         if not line or line.startswith("#"):
@@ -77,6 +79,8 @@ def generate(freeze: str, glibc: str = "2.35") -> str:
             addressed.append(line.split(" @ ")[0])
         elif (m := _PIN.match(line)) and "+" in m.group(2):
             held.append(line)
+        elif m and _CUDA_STACK.match(m.group(1)):
+            cuda.append(line)
         elif m:
             pins.append(line)
         else:
@@ -86,6 +90,8 @@ def generate(freeze: str, glibc: str = "2.35") -> str:
            f"# python: {python}", f"# glibc: {glibc}",
            "# Not on PyPI, checked through stand-ins by `scripts/colab_packages.py check` (CUDA builds):",
            *(f"#   held: {line}" for line in sorted(held, key=str.lower)),
+           "# The CUDA stack, which follows torch's build (not pinned):",
+           *(f"#   cuda: {line}" for line in sorted(cuda, key=str.lower)),
            f"# Installed from an address, not pinned here: {', '.join(sorted(addressed, key=str.lower))}",
            *sorted(pins, key=str.lower)]
     return "\n".join(out) + "\n"
