@@ -15,11 +15,12 @@ every rank, none is left inside an all-reduce.
 from __future__ import annotations
 
 import sys
+from contextlib import contextmanager
 
 from .agreement import agree_outcome
 from .ranks import _device, group
 
-__all__ = ["DDP_BUCKET_BYTES", "reduce_gradients", "unwrap_ddp", "plan_buckets"]
+__all__ = ["DDP_BUCKET_BYTES", "reduce_gradients", "unwrap_ddp", "plan_buckets", "straight_to_module"]
 
 DDP_BUCKET_BYTES = 25 * 1024 * 1024  # DistributedDataParallel's default bucket_cap_mb=25
 
@@ -29,6 +30,20 @@ def unwrap_ddp(model):
     torch = sys.modules.get("torch")
     ddp = getattr(getattr(getattr(torch, "nn", None), "parallel", None), "DistributedDataParallel", None)
     return model.module if ddp is not None and isinstance(model, ddp) else None
+
+
+@contextmanager
+def straight_to_module(ddp):
+    """Within: a call of the DistributedDataParallel wrapper `ddp` is a call of its module. For a plain
+    loop's `forward` that calls the wrapper (`lambda b: ddp(**b).loss`): DDP's forward would broadcast its
+    buffers and arm its gradient hooks (a collective in the forward and in the backward), so one rank's
+    error there would leave the others inside a collective it never reaches. The gradients are then
+    averaged once with `reduce_gradients`, after every rank agreed how the step ended."""
+    ddp.forward = ddp.module.forward  # an instance attribute: nn.Module.__call__ looks it up first
+    try:
+        yield ddp.module
+    finally:
+        del ddp.forward
 
 
 def plan_buckets(sizes: list[int], limit: int) -> list[list[int]]:

@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 from .._units import format_bytes
 from ..distributed.agreement import agree_micro_batch
+from ..distributed.gradients import reduce_gradients, straight_to_module, unwrap_ddp
 from ..distributed.ranks import group
 from ..errors import ColabKitError, ColabKitWarning
 from .batching import batch_size, split_batch
@@ -138,6 +139,11 @@ class MicroBatcher:
             optimizer.step()
             optimizer.zero_grad()
 
+    Under DistributedDataParallel give the wrapper as `model=` (each rank its own shard of the data):
+    the step then averages the gradients itself, once every rank has finished its micro-batches, and
+    an error on one rank (in its forward, its backward or the averaging) is raised on every rank
+    (`RankFailedError` on the others) instead of leaving them inside a collective.
+
     Args:
         micro_batch: starting micro-batch size (None: the whole batch).
         on_backoff: called with a dict describing each back-off (for logs and journals).
@@ -189,8 +195,20 @@ class MicroBatcher:
         zero_grad = zero_grad or (lambda: model.zero_grad(set_to_none=True))
         backward = backward or (lambda loss: loss.backward())
         weigh = None if weight == "sum" else _weigher(weight)
-        return self._retrying(batch, lambda chunks: self._forward_backward(chunks, forward, backward, weigh, total),
-                              on_retry=zero_grad, trim_padding=True, context=context)
+
+        def run_chunks(chunks):
+            return self._forward_backward(chunks, forward, backward, weigh, total)
+
+        inner = unwrap_ddp(model) if model is not None else None
+        if inner is None:
+            return self._retrying(batch, run_chunks, on_retry=zero_grad, trim_padding=True, context=context)
+        # Under DDP (a plain loop's model=): the micro-batches run through the module inside it, so that no
+        # forward or backward holds a collective that a failing rank never reaches; the ranks agree how the
+        # step ended (an error anywhere is raised on every rank), then the gradients are averaged once.
+        with straight_to_module(model):
+            loss = self._retrying(batch, run_chunks, on_retry=zero_grad, trim_padding=True, context=context)
+        reduce_gradients(inner, bucket_bytes=getattr(model, "bucket_bytes_cap", None))
+        return loss
 
     def map(self, batch, fn: Callable[[Any], Any], *, context: dict | None = None) -> tuple[list, list]:
         """Apply `fn` to micro-batches of `batch` (no backward pass: evaluation, prediction).

@@ -27,6 +27,7 @@ def preload() -> None:
     """What every job imports, once, in the forkserver (nothing is run: no thread, no tensor)."""
     import datasets  # noqa: F401
     import ddp_job  # noqa: F401
+    import plain_loop_job  # noqa: F401
     import ranks_job  # noqa: F401
     import safetensors.torch  # noqa: F401
     import tiny_job  # noqa: F401
