@@ -21,7 +21,8 @@ from .errors import (CheckpointError, ColabKitError, ColabKitWarning, DriveError
                      RankFailedError, ResumeMismatchError)
 from .gauges.gauges import Gauges, plot_history
 from .memory import recipes  # noqa: F401  (ck.recipes.freeze_layers, as notebooks before 0.3 call it)
-from .memory.oom import MicroBatcher, OutOfMemoryError, free_memory, is_oom_error
+from .memory.oom import OutOfMemoryError, free_memory, is_oom_error
+from .memory.splitstep import MicroBatcher
 from .memory.oom import configure_allocator as _configure_allocator
 from .memory.plan import MemoryPlan, plan_memory
 from .memory.preflight import preflight

@@ -1,4 +1,4 @@
-"""Cutting one optimizer step's batch into micro-batches (for `oom.MicroBatcher`).
+"""Cutting one optimizer step's batch into micro-batches (for `splitstep.MicroBatcher`).
 
 Rows are only regrouped, never changed, so a gradient summed over the micro-batches is the
 whole batch's; each micro-batch can be cut to its own longest row (dynamic padding).

@@ -4,7 +4,7 @@
 gradient_accumulation_steps) as one batch, with accumulation 1: the same samples, in the same
 order, make up each optimizer step, and the step count and schedule are unchanged. The
 Trainer's `training_step` is then replaced, on this trainer instance only, by one that runs
-that batch as micro-batches of a learned size (`oom.MicroBatcher`), halving on OOM. Each
+that batch as micro-batches of a learned size (`splitstep.MicroBatcher`), halving on OOM. Each
 micro-batch's loss is weighted so that the step's loss, gradients and clipping equal the Trainer's
 unsplit step in every way the Trainer normalises a loss (`_normalisation`). Evaluation gets its
 own micro-batch the same way; a micro-batch without label items never turns its mean into NaN.
@@ -24,7 +24,8 @@ from .._units import format_bytes
 from ..distributed.agreement import agree_outcome
 from ..distributed.gradients import reduce_gradients, unwrap_ddp
 from .learned import MICRO_BATCH_FILE, MicroBatchMemory
-from .oom import ELSEWHERE, MicroBatcher, batch_size, describe_memory, memory_numbers
+from .oom import ELSEWHERE, batch_size, describe_memory, memory_numbers
+from .splitstep import MicroBatcher
 from .recipes import checkpointing_requested
 
 __all__ = ["MICRO_BATCH_FILE", "MicroBatchMemory", "TrainerMicroBatching"]

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import colab_kit as ck
-from colab_kit.memory.oom import MicroBatcher, is_fatal_cuda_error, split_batch
+from colab_kit.memory.oom import is_fatal_cuda_error, split_batch
+from colab_kit.memory.splitstep import MicroBatcher
 from colab_kit.memory.oomforms import OOM_FORMS as FORM_TABLE
 from colab_kit.memory.oomforms import oom_form
 
