@@ -1,19 +1,21 @@
-"""Render the live gauges in JupyterLab in headless Chromium and save PNG screenshots.
+"""Render the live gauges of a real run, the RNA notebook's quick preset in JupyterLab, in headless
+Chromium, and save PNG screenshots.
 
     pip install jupyterlab playwright      # dev tools, not needed to use the kit
     apt-get install chromium               # Debian's Chromium at /usr/bin/chromium
     python scripts/render_gauges.py        # writes docs/gauges.png and docs/gauges_summary.png
 
-A notebook runs a training loop with `ck.Gauges`. Without a GPU on the machine, NVML is
-replaced by a stand-in that reports a T4 filling up, and the title says so; host RAM, the
-sparklines and everything else are real.
+The notebook runs with PRESET="quick" chosen in its form, in a folder of its own, with "Run All
+Cells" as a user would: the gauges are screenshotted while the training cell runs and the summary once it
+stays. On a machine without a GPU the gauges show none: what is there is the CPU run's own (host RAM,
+steps, loss, checkpoints and the cloud line).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import re
 import secrets
 import socket
 import subprocess
@@ -24,42 +26,7 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-
-SETUP = '''\
-import sys, types, time, math
-import colab_kit as ck
-# No GPU here: a stand-in NVML reporting a T4 (15 GiB) that fills up as training runs.
-t0 = time.time()
-def _used(h):
-    used = min(14.2, 2.5 + 1.6 * (time.time() - t0)) * 2**30
-    return types.SimpleNamespace(total=15 * 2**30, used=int(used), free=int(15 * 2**30 - used))
-sys.modules["pynvml"] = types.SimpleNamespace(
-    nvmlInit=lambda: None, nvmlShutdown=lambda: None, nvmlDeviceGetCount=lambda: 1,
-    nvmlDeviceGetHandleByIndex=lambda i: i, nvmlDeviceGetMemoryInfo=_used,
-    nvmlDeviceGetUtilizationRates=lambda h: types.SimpleNamespace(gpu=int(85 + 10 * math.sin(time.time()))),
-    NVML_TEMPERATURE_GPU=0, nvmlDeviceGetTemperature=lambda h, s: 67, nvmlDeviceGetPowerUsage=lambda h: 61000)
-'''
-TRAIN = '''\
-g = ck.Gauges(total_steps=300, title="demo · simulated T4 (stand-in NVML)", interval=0.5)
-ballast = []
-for step in range(1, 121):
-    end = time.perf_counter() + 0.1
-    while time.perf_counter() < end:
-        pass
-    ballast.append(bytearray(4 * 2**20))  # host RAM grows, as a leaky data pipeline would
-    g.update(step=step, loss=2.5 * math.exp(-step / 40) + 0.3 + 0.05 * math.sin(step),
-             saved_step=100 if step >= 100 else None,
-             cloud="in the cloud: 100 (1 min old)" if step >= 108 else "nothing in the cloud yet")
-g.close()
-'''
-
-
-def notebook(path: Path) -> None:
-    cells = [{"cell_type": "code", "metadata": {}, "source": SETUP, "outputs": [], "execution_count": None},
-             {"cell_type": "code", "metadata": {}, "source": TRAIN, "outputs": [], "execution_count": None}]
-    path.write_text(json.dumps({"cells": cells, "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3",
-                                                                             "language": "python"}},
-                                "nbformat": 4, "nbformat_minor": 5}))
+NOTEBOOK = ROOT / "notebooks" / "rna_bert_classification.ipynb"
 
 
 def free_port() -> int:
@@ -72,11 +39,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--chromium", default="/usr/bin/chromium")
     parser.add_argument("--out", default=str(ROOT / "docs"))
+    parser.add_argument("--at", type=float, default=0.6, help="the share of the steps done at the screenshot")
     args = parser.parse_args()
     from playwright.sync_api import sync_playwright
 
     work = Path(tempfile.mkdtemp(prefix="gauges-lab-"))
-    notebook(work / "gauges.ipynb")
+    text = NOTEBOOK.read_text()
+    assert text.count('PRESET = \\"full\\"') == 1, "the parameters cell's PRESET line changed: update this script"
+    (work / NOTEBOOK.name).write_text(text.replace('PRESET = \\"full\\"', 'PRESET = \\"quick\\"'))  # the form
     port, token = free_port(), secrets.token_hex(16)
     lab = subprocess.Popen([sys.executable, "-m", "jupyter", "lab", "--no-browser", f"--port={port}",
                             f"--ServerApp.token={token}", f"--ServerApp.root_dir={work}", "--ServerApp.ip=127.0.0.1",
@@ -96,19 +66,27 @@ def main() -> int:
                 "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                 "--disable-background-networking", "--disable-component-update", "--disable-sync"])
             page = browser.new_page(viewport={"width": 1100, "height": 900})
-            page.goto(f"http://127.0.0.1:{port}/lab/tree/gauges.ipynb?token={token}")
+            page.goto(f"http://127.0.0.1:{port}/lab/tree/{NOTEBOOK.name}?token={token}")
             page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=120_000)
             page.add_style_tag(content=".Toastify { display: none !important; }")  # JupyterLab's news prompt
             time.sleep(3)  # the kernel starts
             page.click("text=Run", timeout=30_000)
             page.click("text=Run All Cells", timeout=30_000)
-            page.wait_for_selector(".widget-html", timeout=120_000)
-            time.sleep(8)
-            widget = page.locator(".jp-OutputArea-output").filter(has=page.locator(".widget-html")).first
-            widget.screenshot(path=str(out / "gauges.png"))
-            page.wait_for_selector("text=colab_kit gauges summary", timeout=120_000)
+            # The gauges, not another HTML widget (datasets' progress bars): the status line has a rate.
+            gauges = page.locator(".jp-OutputArea-output").filter(has=page.locator(".widget-html",
+                                                                                    has_text="steps/s")).last
+            deadline = time.monotonic() + 900
+            while time.monotonic() < deadline:
+                done = re.search(r"step (\d+)/(\d+)", gauges.inner_text() if gauges.count() else "")
+                if done and int(done.group(1)) >= args.at * int(done.group(2)):
+                    break
+                time.sleep(0.2)
+            gauges.scroll_into_view_if_needed()
+            gauges.screenshot(path=str(out / "gauges.png"))
+            page.wait_for_selector("text=colab_kit gauges summary", timeout=900_000)
             time.sleep(1)
-            summary = page.locator(".jp-OutputArea-output").filter(has_text="colab_kit gauges summary").first
+            summary = page.locator(".jp-OutputArea-output").filter(has_text="colab_kit gauges summary").last
+            summary.scroll_into_view_if_needed()
             summary.screenshot(path=str(out / "gauges_summary.png"))
             browser.close()
     finally:
