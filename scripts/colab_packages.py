@@ -9,14 +9,18 @@ nothing that Colab preinstalled.
 `constraints-colab.txt`: one `name==version` per package. Kept as comments, not pinned: the CUDA builds pip
 cannot find on PyPI (`torch==2.11.0+cu128`: a local version label, from PyTorch's own index), the CUDA stack
 that follows torch's build (NVIDIA's libraries, cuda-*, triton: PyPI's torch 2.11.0 is built for CUDA 13
-and brings its own), and packages installed from an address. `check` asks pip what installing the kit (and what the notebooks' install cells
-add) into Colab would do: a dry run with a report, from an empty target, for Colab's Python and glibc, binary
-wheels only, every package held to Colab's version. Colab's torch takes part as a stand-in wheel that has
-its name and version and nothing else, so every requirement on torch (the kit's, accelerate's) is checked
-against Colab's version without resolving gigabytes of CUDA wheels. It fails when a requirement asks for
-another version than Colab's (pip cannot resolve, and names the conflict) or when a requirement of the
-kit's own is a package Colab does not have; what a resolution from nothing adds beyond Colab's list (jedi,
-overrides: the list omits some of IPython's own) is reported, not failed.
+and brings its own), and packages installed from an address.
+
+`check` asks pip what installing the kit (and what the notebooks' install cells add) into Colab would
+do: a dry run with a report, from an empty target, for Colab's Python and glibc, binary wheels only,
+every package held to Colab's version. Colab's torch takes part as a stand-in wheel that has its name
+and version and nothing else, so every requirement on torch (the kit's, accelerate's) is checked
+against Colab's version without resolving gigabytes of CUDA wheels. It fails when a requirement asks
+for another version than Colab's (pip cannot resolve, and names the conflict) or when a requirement of
+the kit's own is a package Colab does not have; what a resolution from nothing adds beyond Colab's list
+(jedi, overrides: the list omits some of IPython's own) is reported, not failed.
+
+`align` lists the packages installed here at another version than Colab's, for .ci/colab_matrix.
 
 pip evaluates environment markers for the Python running it, not for `--python-version`: a requirement
 marked `python_version >= "3.13"` is judged for this interpreter.

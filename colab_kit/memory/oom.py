@@ -10,7 +10,7 @@ as the unsplit one.
 Which errors count as out of memory is `oomforms.py`'s table; how a batch is cut into
 micro-batches is `batching.py`. accelerate's `find_executable_batch_size` cleans up inside the
 `except` block, where the exception still holds the failing frames (and their tensors); here
-memory is freed (`_release`) after the `except` block has ended.
+memory is freed (`release_for_retry`) after the `except` block has ended.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ from ..errors import ColabKitError, ColabKitWarning
 from .batching import batch_size, split_batch
 from .oomforms import is_fatal_cuda_error, is_oom_error
 
-__all__ = ["is_oom_error", "is_fatal_cuda_error", "free_memory", "OutOfMemoryError", "split_batch", "batch_size", "memory_numbers", "describe_memory", "configure_allocator"]
+__all__ = ["is_oom_error", "is_fatal_cuda_error", "free_memory", "OutOfMemoryError", "split_batch", "batch_size",
+           "memory_numbers", "describe_memory", "release_for_retry", "configure_allocator"]
 
 log = logging.getLogger(__name__)
 ELSEWHERE = "another process"  # where an out-of-memory error was, seen from a rank that had none
@@ -68,7 +69,7 @@ def describe_memory(numbers: dict) -> str:
     return f"host RSS {format_bytes(numbers.get('rss'))}"
 
 
-def _release() -> None:
+def release_for_retry() -> None:
     """gc + empty the CUDA cache: what a retry needs (called after the `except` block ended)."""
     gc.collect()
     torch = _cuda_ready()
@@ -110,7 +111,7 @@ def free_memory(verbose: bool = True) -> dict:
     """
     before = memory_numbers()
     dropped = _drop_ipython_references()
-    _release()
+    release_for_retry()
     after = memory_numbers()
     if verbose:
         if "allocated" in before:

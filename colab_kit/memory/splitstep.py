@@ -16,7 +16,7 @@ from ..distributed.agreement import agree_micro_batch
 from ..distributed.gradients import reduce_gradients, straight_to_module, unwrap_ddp
 from ..distributed.ranks import group
 from .batching import batch_size, split_batch
-from .oom import ELSEWHERE, OutOfMemoryError, _release, describe_memory, is_oom_error, memory_numbers
+from .oom import ELSEWHERE, OutOfMemoryError, describe_memory, is_oom_error, memory_numbers, release_for_retry
 
 __all__ = ["MicroBatcher"]
 
@@ -146,7 +146,7 @@ class MicroBatcher:
                 error = error or f"out of memory on rank(s) {failed_ranks}"
             if on_retry is not None:
                 on_retry()
-            _release()
+            release_for_retry()
             if micro <= 1:
                 raise OutOfMemoryError(self._bounded_message(where, error))
             self._backoff(micro, max(1, micro // 2), where, error, rows, context)
