@@ -28,15 +28,29 @@ def _literal(text: str):
 
 
 def _kernel_manager_class():
-    """The kernel manager for a headless run: IPC transport (Unix sockets in Jupyter's runtime folder).
-    ipykernel 7 warns at every start that a kernel on TCP without CurveZMQ keys "is susceptible to
-    eavesdropping"; a headless run on one machine needs no network at all."""
+    """The kernel manager for a headless run: IPC transport, its sockets beside the connection file in
+    Jupyter's runtime folder (not in the working folder, which may be a Drive mount). ipykernel 7 warns at
+    every start that a kernel on TCP without CurveZMQ keys "is susceptible to eavesdropping"; a headless
+    run on one machine needs no network at all."""
+    import uuid
+
     from jupyter_client.manager import AsyncKernelManager
+    from jupyter_core.paths import jupyter_runtime_dir
 
     class IpcKernelManager(AsyncKernelManager):
         def __init__(self, **kwargs):
+            runtime = Path(jupyter_runtime_dir())
+            runtime.mkdir(parents=True, exist_ok=True)
             kwargs.setdefault("transport", "ipc")
+            kwargs.setdefault("connection_file", str(runtime / f"kernel-{uuid.uuid4().hex[:12]}.json"))
             super().__init__(**kwargs)
+
+        async def _async_interrupt_kernel(self):
+            # jupyter_client 8 interrupts the kernel before asking it to shut down. A headless run's cells
+            # have all ended by then; a SIGINT that lands while the kernel still finishes its last message
+            # makes it print "KeyboardInterrupt caught in kernel" into the job's output (seen 1 run in 28).
+            if not self.shutting_down:
+                await super()._async_interrupt_kernel()
 
     return IpcKernelManager
 

@@ -44,7 +44,11 @@ ROOT = Path(__file__).resolve().parent.parent
 CONSTRAINTS = ROOT / "constraints-colab.txt"
 _PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+)$")
 _HELD = re.compile(r"^#\s+held:\s+([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+)")
-_CUDA_STACK = re.compile(r"^(nvidia-.+-cu\d+|cuda-.+|triton)$", re.IGNORECASE)
+_CUDA = re.compile(r"^#\s+cuda:\s+([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+)")
+_ADDRESSED = "# Installed from an address, not pinned here: "
+# NVIDIA's libraries (but NVML's Python bindings, nvidia-ml-py), CUDA's Python packages and triton, by canonical
+# name: Colab's carry a -cu12 suffix, PyPI's torch 2.11 brings unsuffixed CUDA 13 ones (nvidia-cublas).
+_CUDA_STACK = re.compile(r"^(nvidia-(?!ml-py$).+|cuda-.+|triton)$")
 _PYTHON = re.compile(r"Python (3\.\d+\.\d+)")
 
 
@@ -59,6 +63,7 @@ class Colab:
 
     pins: dict[str, tuple[str, str]] = field(default_factory=dict)  # canonical name -> (name, version)
     held: dict[str, tuple[str, str]] = field(default_factory=dict)
+    unpinned: dict[str, str | None] = field(default_factory=dict)  # the CUDA stack; None: from an address
     python: str = "3.13"
     glibc: str = "2.35"
 
@@ -83,7 +88,7 @@ def generate(freeze: str, glibc: str = "2.35") -> str:
             addressed.append(line.split(" @ ")[0])
         elif (m := _PIN.match(line)) and "+" in m.group(2):
             held.append(line)
-        elif m and _CUDA_STACK.match(m.group(1)):
+        elif m and _CUDA_STACK.match(canonical(m.group(1))):
             cuda.append(line)
         elif m:
             pins.append(line)
@@ -96,7 +101,7 @@ def generate(freeze: str, glibc: str = "2.35") -> str:
            *(f"#   held: {line}" for line in sorted(held, key=str.lower)),
            "# The CUDA stack, which follows torch's build (not pinned):",
            *(f"#   cuda: {line}" for line in sorted(cuda, key=str.lower)),
-           f"# Installed from an address, not pinned here: {', '.join(sorted(addressed, key=str.lower))}",
+           f"{_ADDRESSED}{', '.join(sorted(addressed, key=str.lower))}",
            *sorted(pins, key=str.lower)]
     return "\n".join(out) + "\n"
 
@@ -106,6 +111,10 @@ def read_constraints(path: Path = CONSTRAINTS) -> Colab:
     for line in path.read_text().splitlines():
         if m := _HELD.match(line):
             colab.held[canonical(m.group(1))] = (m.group(1), m.group(2))
+        elif m := _CUDA.match(line):
+            colab.unpinned[canonical(m.group(1))] = m.group(2)
+        elif line.startswith(_ADDRESSED):
+            colab.unpinned.update({canonical(n): None for n in line[len(_ADDRESSED):].split(", ") if n})
         elif line.startswith("# python: "):
             colab.python = line.split(": ", 1)[1].strip()
         elif line.startswith("# glibc: "):
@@ -178,6 +187,8 @@ def dry_run(project: Path, extras: list[str], colab: Colab, constraints: Path = 
         if out.returncode != 0:
             # pip says what conflicts on stdout ("The conflict is caused by: ..."), that it failed on stderr.
             lines = [line for line in (out.stdout + out.stderr).splitlines() if "is ignored: it is neither" not in line]
+            if not any("ResolutionImpossible" in line for line in lines):  # no network, a broken index, ...
+                raise RuntimeError("pip's dry run failed before it could resolve:\n  " + "\n  ".join(lines[-15:]))
             cause = [line.strip() for line in lines if " depends on " in line or "(constraint)" in line]
             raise Conflict("pip cannot install the kit into Colab's package set without changing it:\n  "
                            + "\n  ".join(cause or lines[-15:]))
@@ -213,7 +224,9 @@ def judge(install: list[dict], colab: Colab, kit_requirements: list[str]) -> Ver
         theirs = colab.version(name)
         if canonical(name) == "colab-kit":
             kit = f"{name} {version}"
-        elif theirs is None:
+        elif canonical(name) in colab.unpinned and colab.unpinned[canonical(name)] != version:
+            changed.append(f"{name} {colab.unpinned[canonical(name)] or '(from an address)'} -> {version}")
+        elif theirs is None and canonical(name) not in colab.unpinned:
             added.append(f"{name} {version}")
         elif theirs == version:
             unchanged.append(f"{name} {version}")
@@ -230,14 +243,17 @@ def check(project: Path = ROOT, extras: list[str] | None = None, constraints: Pa
 
 
 def misaligned(colab: Colab) -> list[str]:
-    """`name==version` (Colab's) for each package installed here at another version than Colab's. The CUDA
-    builds (torch) are left as they are: this machine's CPU build stands in for them."""
+    """`name==version` (Colab's) for each package installed here at another version than Colab's. torch and
+    the CUDA stack are left as they are (.ci/colab_matrix installs PyPI's build of Colab's torch version)."""
     from importlib.metadata import distributions
 
-    wrong = {}
-    for dist in distributions():
-        name = dist.metadata["Name"]
-        if name and canonical(name) in colab.pins and dist.version != colab.version(name):
+    wrong, seen = {}, set()
+    for dist in distributions():  # in sys.path's order: the first of a name is the one imported
+        name = dist.metadata.get("Name")
+        if not name or canonical(name) in seen:
+            continue
+        seen.add(canonical(name))
+        if canonical(name) in colab.pins and dist.version != colab.version(name):
             wrong[canonical(name)] = f"{colab.pins[canonical(name)][0]}=={colab.version(name)}"
     return sorted(wrong.values(), key=str.lower)
 

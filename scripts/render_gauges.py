@@ -45,7 +45,8 @@ def main() -> int:
 
     work = Path(tempfile.mkdtemp(prefix="gauges-lab-"))
     text = NOTEBOOK.read_text()
-    assert text.count('PRESET = \\"full\\"') == 1, "the parameters cell's PRESET line changed: update this script"
+    if text.count('PRESET = \\"full\\"') != 1:
+        raise SystemExit("the RNA notebook's PRESET line changed: update render_gauges.py")
     (work / NOTEBOOK.name).write_text(text.replace('PRESET = \\"full\\"', 'PRESET = \\"quick\\"'))  # the form
     port, token = free_port(), secrets.token_hex(16)
     lab = subprocess.Popen([sys.executable, "-m", "jupyter", "lab", "--no-browser", f"--port={port}",
@@ -81,6 +82,8 @@ def main() -> int:
                 if done and int(done.group(1)) >= args.at * int(done.group(2)):
                     break
                 time.sleep(0.2)
+            else:
+                raise SystemExit("the gauges did not reach the asked share of the steps in 15 minutes")
             gauges.scroll_into_view_if_needed()
             gauges.screenshot(path=str(out / "gauges.png"))
             page.wait_for_selector("text=colab_kit gauges summary", timeout=900_000)

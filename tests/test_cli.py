@@ -44,7 +44,8 @@ def test_run_executes_a_notebook_with_parameters(tmp_path, monkeypatch):
     params = nbformat.v4.new_code_cell("STEPS = 1\nNAME = 'x'")
     params.metadata["tags"] = ["parameters"]
     nb.cells = [params, nbformat.v4.new_code_cell(
-        "import json\nopen('result.json', 'w').write(json.dumps({'steps': STEPS, 'name': NAME}))")]
+        "import json, os\nopen('result.json', 'w').write(json.dumps({'steps': STEPS, 'name': NAME, "
+        "'folder': sorted(os.listdir('.'))}))")]
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     src = tmp_path / "tiny.ipynb"
     nbformat.write(nb, src)
@@ -52,7 +53,10 @@ def test_run_executes_a_notebook_with_parameters(tmp_path, monkeypatch):
     proc = subprocess.run([sys.executable, "-m", "colab_kit", "run", str(src), "-p", "STEPS", "7",
                            "-p", "NAME", "demo"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert json.loads((tmp_path / "result.json").read_text()) == {"steps": 7, "name": "demo"}
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert (result["steps"], result["name"]) == (7, "demo")
+    assert "tiny.ipynb" in result["folder"] and not [n for n in result["folder"] if n.startswith("kernel-")], (
+        result)  # the kernel's IPC sockets are in Jupyter's runtime folder, not the working folder
     assert (tmp_path / "outputs" / "tiny.ipynb").exists()
     # Only what the kit prints: no kernel's warning about TCP without encryption (ipykernel 7), no debugger's
     # about frozen modules (ipykernel 6, as in Colab), nothing on stderr.

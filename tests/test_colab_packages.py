@@ -50,6 +50,18 @@ def test_every_requirement_of_the_kit_is_preinstalled_in_colab_and_satisfied_by_
     assert torch.specifier.contains(COLAB.version("torch"))
 
 
+def test_a_change_to_colabs_cuda_stack_or_its_own_packages_counts_as_a_change():
+    def item(name, version):
+        return {"metadata": {"name": name, "version": version}}
+
+    verdict = colab_packages.judge([item("colab-kit", "0.3.0"), item("transformers", "5.15.0"), item("triton", "3.7.0"),
+                                    item("google-colab", "1.0.0"), item("nvidia-cublas", "13.1.0.3"),
+                                    item("jedi", "0.20.1")], COLAB, ["transformers"])
+    assert verdict.changed == ["google-colab (from an address) -> 1.0.0", "triton 3.6.0 -> 3.7.0"], verdict.changed
+    assert verdict.unchanged == ["transformers 5.15.0"]
+    assert verdict.added == ["jedi 0.20.1", "nvidia-cublas 13.1.0.3"] and not verdict.ok
+
+
 def test_the_notebooks_install_cells_add_multimolecule_in_colab():
     assert notebook_extras() == ["multimolecule"]  # Colab's transformers 5.15 is new enough for it
 

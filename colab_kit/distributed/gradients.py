@@ -39,11 +39,15 @@ def straight_to_module(ddp):
     buffers and arm its gradient hooks (a collective in the forward and in the backward), so one rank's
     error there would leave the others inside a collective it never reaches. The gradients are then
     averaged once with `reduce_gradients`, after every rank agreed how the step ended."""
-    ddp.forward = ddp.module.forward  # an instance attribute: nn.Module.__call__ looks it up first
+    before = ddp.__dict__.get("forward")  # an instance attribute (nn.Module.__call__ looks there first)
+    ddp.forward = ddp.module.__call__  # the module's own hooks run, as under DDP's forward
     try:
         yield ddp.module
     finally:
-        del ddp.forward
+        if before is None:
+            del ddp.forward
+        else:
+            ddp.forward = before
 
 
 def plan_buckets(sizes: list[int], limit: int) -> list[list[int]]:

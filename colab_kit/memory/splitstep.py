@@ -98,9 +98,13 @@ class MicroBatcher:
         # Under DDP (a plain loop's model=): the micro-batches run through the module inside it, so that no
         # forward or backward holds a collective that a failing rank never reaches; the ranks agree how the
         # step ended (an error anywhere is raised on every rank), then the gradients are averaged once.
-        with straight_to_module(model):
-            loss = self._retrying(batch, run_chunks, on_retry=zero_grad, trim_padding=True, context=context)
-        reduce_gradients(inner, bucket_bytes=getattr(model, "bucket_bytes_cap", None))
+        try:
+            with straight_to_module(model):
+                loss = self._retrying(batch, run_chunks, on_retry=zero_grad, trim_padding=True, context=context)
+            reduce_gradients(inner, bucket_bytes=getattr(model, "bucket_bytes_cap", None))
+        except BaseException:
+            zero_grad()  # no gradient is left half accumulated or half averaged for a step run again
+            raise
         return loss
 
     def map(self, batch, fn: Callable[[Any], Any], *, context: dict | None = None) -> tuple[list, list]:

@@ -295,7 +295,7 @@ def test_a_reconnect_from_another_host_takes_over_a_dead_lease_but_not_a_live_on
     assert "did not advance in 3 s" in start["took_over_because"]
     # 1.5 heartbeats of watching (not the lease's stale age), read every 0.2 s; measured around the watch alone,
     # since the rest of start_run (imports, the first listing) stretches with the machine's load.
-    assert 1.5 * 2 <= start["watched_s"] <= 1.5 * 2 + 1.0, start["watched_s"]
+    assert 1.5 * 2 <= start["watched_s"] <= 1.5 * 2 + 2.0, start["watched_s"]
 
 
 def test_drive_check_prints_the_attribute_timeline_and_the_upload_rate(emulated_drive):

@@ -8,7 +8,8 @@ generated rows, 4 a step: `ck.MicroBatcher(micro).step(batch, lambda b: ddp(**b)
 SGD. `--ddp-backward` runs DDP's own step instead (`ddp(**batch).loss.backward()`), for comparison.
 `--fail R:WHERE:STEP` makes rank R raise a ValueError at STEP in the forward or the backward pass;
 `--linger S` keeps that rank alive S seconds after its error, as a notebook kernel stays.
-Every rank prints "ERROR <type>: <message>" for what its step raised; rank 0 writes the weights to --out.
+Every rank prints "ERROR <type>: <message>" for what its step raised, and how many parameters still hold
+a gradient after it ("GRADIENTS LEFT n"); rank 0 writes the weights to --out.
 """
 
 from __future__ import annotations
@@ -69,7 +70,11 @@ def train(args, rank: int):
         if args.ddp_backward:
             ddp(**batch).loss.backward()
         else:
-            batcher.step(batch, lambda b: ddp(**b).loss, model=ddp, context={"step": step})
+            try:
+                batcher.step(batch, lambda b: ddp(**b).loss, model=ddp, context={"step": step})
+            except Exception:
+                print(f"GRADIENTS LEFT {sum(p.grad is not None for p in model.parameters())}", flush=True)
+                raise
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return model
