@@ -40,6 +40,9 @@ import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
 ROOT = Path(__file__).resolve().parent.parent
 CONSTRAINTS = ROOT / "constraints-colab.txt"
 _PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+)$")
@@ -54,7 +57,7 @@ _PYTHON = re.compile(r"Python (3\.\d+\.\d+)")
 
 def canonical(name: str) -> str:
     """PEP 503's normal form: `huggingface_hub` and `Huggingface-Hub` are one package."""
-    return re.sub(r"[-_.]+", "-", name).lower()
+    return canonicalize_name(name)
 
 
 @dataclass
@@ -130,7 +133,7 @@ def requirement_names(requirements: Path) -> list[str]:
     for line in requirements.read_text().splitlines():
         line = line.split("#", 1)[0].strip()
         if line:
-            names.append(re.split(r"[<>=!~;\[ ]", line, maxsplit=1)[0])
+            names.append(Requirement(line).name)
     return names
 
 

@@ -32,20 +32,6 @@ def shard(step: int, rank: int):
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": (ids[:, 0] > 32).long()}
 
 
-def inject(model, where: str, step: int, current: dict, rank: int) -> None:
-    def fail(*_):
-        if current["step"] == step:
-            raise ValueError(f"injected on rank {rank} in the {where} at step {step}")
-
-    def forward_hook(module, inputs, output):
-        if where == "forward":
-            fail()
-        else:
-            output.register_hook(lambda grad: fail())
-
-    model.get_input_embeddings().register_forward_hook(forward_hook)
-
-
 def train(args, rank: int):
     import torch
     import torch.distributed as dist
@@ -60,7 +46,9 @@ def train(args, rank: int):
     model = BertForSequenceClassification(tiny_bert_config(dropout=0.0, vocab_size=64))
     current = {"step": 0}
     if args.fail is not None and args.fail[0] == rank:
-        inject(model, args.fail[1], args.fail[2], current, rank)
+        from ddp_job import _inject_failure  # the Trainer job's injection: same hooks, same message
+
+        _inject_failure(model, args.fail[1], args.fail[2], current, rank)
     ddp = DistributedDataParallel(model)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
     batcher = ck.MicroBatcher(args.micro)
