@@ -40,6 +40,7 @@ class Manifest:
     kit_version: str = KIT_VERSION  # the kit that wrote it
     kit_state: dict = field(default_factory=dict)  # the training clock (one file fewer to upload)
     format: int = _FORMAT
+    shards: dict = field(default_factory=dict)  # DCP folder -> the files its .metadata needs (`shards.py`)
 
     @property
     def total_bytes(self) -> int:
@@ -47,10 +48,13 @@ class Manifest:
 
     def to_json(self) -> dict:
         # By hand: `asdict` deep-copies every value, and manifests are written for every checkpoint.
-        return {"step": self.step, "files": {name: {"size": e.size, "sha256": e.sha256, "md5": e.md5}
-                                             for name, e in self.files.items()},
-                "fingerprint": dict(self.fingerprint), "created": self.created, "kit_version": self.kit_version,
-                "kit_state": dict(self.kit_state), "format": self.format}
+        obj = {"step": self.step, "files": {name: {"size": e.size, "sha256": e.sha256, "md5": e.md5}
+                                            for name, e in self.files.items()},
+               "fingerprint": dict(self.fingerprint), "created": self.created, "kit_version": self.kit_version,
+               "kit_state": dict(self.kit_state), "format": self.format}
+        if self.shards:  # only sharded checkpoints carry it
+            obj["shards"] = {folder: list(names) for folder, names in self.shards.items()}
+        return obj
 
     @classmethod
     def from_json(cls, obj: dict) -> "Manifest":
@@ -58,7 +62,14 @@ class Manifest:
                  for name, e in obj["files"].items()}
         return cls(step=int(obj["step"]), files=files, fingerprint=dict(obj.get("fingerprint") or {}),
                    created=float(obj.get("created", 0.0)), kit_version=str(obj.get("kit_version", "")),
-                   kit_state=dict(obj.get("kit_state") or {}), format=int(obj.get("format", _FORMAT)))
+                   kit_state=dict(obj.get("kit_state") or {}), format=int(obj.get("format", _FORMAT)),
+                   shards=_shards(obj.get("shards") or {}))
+
+
+def _shards(obj) -> dict[str, list[str]]:
+    if not isinstance(obj, dict) or not all(isinstance(v, list) for v in obj.values()):
+        raise TypeError(f"shards is not a mapping of folders to file lists: {obj!r:.80}")
+    return {str(folder): [str(name) for name in names] for folder, names in obj.items()}
 
 
 def _data_files(folder: Path) -> list[Path]:

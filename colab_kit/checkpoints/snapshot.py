@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .clock import clock
-from . import storage
+from . import shards, storage
 from .manifest import MANIFEST, Manifest, hash_folder, write_manifest
 
 __all__ = ["SNAPSHOTS", "Snapshot", "SnapshotChanged", "take_snapshot", "snapshot_manifest", "stamp", "discard",
@@ -41,6 +41,7 @@ class Snapshot:
     source: Path | None = None  # the folder it was taken from (gets a local MANIFEST too)
     taken: float = field(default_factory=clock.time)
     kit_state: dict = field(default_factory=dict)  # recorded in the manifest
+    shards: dict = field(default_factory=dict)  # DCP folder -> the files it needs (`shards.record`)
 
     @property
     def bytes(self) -> int:
@@ -59,8 +60,13 @@ def take_snapshot(source: str | Path, snapshots_root: str | Path, step: int,
 
     Hard links cost no time or space and survive the Trainer deleting `source`. They share
     bytes with `source`, so the worker re-checks sizes and mtimes before trusting its hashes.
+
+    Raises:
+        IncompleteShards: `source` is a sharded checkpoint that lacks a shard or its `.metadata`
+            (nothing is taken: it must not be published).
     """
     source = Path(source)
+    needs = shards.record(source)
     target = Path(snapshots_root) / f"checkpoint-{step}"
     storage.remove_tree(target)
     stamps = {}
@@ -76,14 +82,14 @@ def take_snapshot(source: str | Path, snapshots_root: str | Path, step: int,
             storage.copy_file(path, dst, durable=False)
         stamps[name] = stamp(dst)
     snap = Snapshot(step=step, path=target, fingerprint=dict(fingerprint or {}), stamps=stamps,
-                    source=source, kit_state=dict(kit_state or {}))
+                    source=source, kit_state=dict(kit_state or {}), shards=needs)
     if taken is not None:  # a checkpoint saved before (found at a restart): its manifest stays the same bytes
         snap.taken = taken
     # Written whole (temp + rename) but not fsynced: it guards against a dead process, whose page cache
     # the VM keeps, and an fsync right after a large save can wait for all of it to reach the disk.
     storage.atomic_write_bytes(_record(snap.path), json.dumps(
         {"step": step, "stamps": stamps, "fingerprint": snap.fingerprint, "kit_state": snap.kit_state,
-         "taken": snap.taken, "source": str(source)}).encode(), durable=False)
+         "taken": snap.taken, "source": str(source), "shards": needs}).encode(), durable=False)
     return snap
 
 
@@ -128,7 +134,8 @@ def recover_saved(snapshots_root: str | Path) -> list[int]:
             data = json.loads(storage.read_bytes(record))
             snap = Snapshot(step=int(data["step"]), path=record.with_suffix(""), fingerprint=data["fingerprint"],
                             stamps={k: tuple(v) for k, v in data["stamps"].items()}, source=Path(data["source"]),
-                            taken=float(data["taken"]), kit_state=data["kit_state"])
+                            taken=float(data["taken"]), kit_state=data["kit_state"],
+                            shards=data.get("shards") or {})
         except (OSError, ValueError, KeyError, TypeError):
             continue
         try:
@@ -140,7 +147,7 @@ def recover_saved(snapshots_root: str | Path) -> list[int]:
             if set(files) != set(snap.stamps):
                 continue
             write_manifest(snap.source, Manifest(step=snap.step, files=files, fingerprint=snap.fingerprint,
-                                                 created=snap.taken, kit_state=snap.kit_state))
+                                                 created=snap.taken, kit_state=snap.kit_state, shards=snap.shards))
             recovered.append(snap.step)
         except OSError as exc:
             log.debug("cannot recover %s: %s", snap.source, exc)
@@ -162,7 +169,7 @@ def snapshot_manifest(snap: Snapshot) -> Manifest:
         if name not in files or stamp(snap.path / name) != (size, mtime):
             raise SnapshotChanged(f"{name} of checkpoint-{snap.step} changed after it was saved")
     manifest = Manifest(step=snap.step, files=files, fingerprint=snap.fingerprint,
-                        created=snap.taken, kit_state=snap.kit_state)
+                        created=snap.taken, kit_state=snap.kit_state, shards=snap.shards)
     # A manifest beside the local checkpoint lets a restart on the same VM resume from it.
     # Same sizes and mtimes as the snapshot mean the same bytes (hard links share the
     # inode; copy2 keeps the mtime), so the hashes carry over without reading again.

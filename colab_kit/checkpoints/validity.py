@@ -1,7 +1,8 @@
 """Is a checkpoint folder valid? One answer for resume, pruning, `status` and the mirror.
 
-A folder is VALID when its MANIFEST.json parses, names its own step, and every file it lists exists
-with the listed size and sha256. A verdict is one of four, and only two of them are facts:
+A folder is VALID when its MANIFEST.json parses, names its own step, lists every file a sharded
+checkpoint needs (`shards.py`), and every file it lists exists with the listed size and sha256. A
+verdict is one of four, and only two of them are facts:
 
     VALID        read completely and matching: it may be resumed from, kept and counted
     INVALID      read completely and not matching, on positive evidence: a file of another size, bytes
@@ -32,7 +33,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import looks, storage
+from . import looks, shards, storage
 from .manifest import MANIFEST, Manifest
 
 __all__ = ["VALID", "INVALID", "UNFINISHED", "UNKNOWN", "SIZES_MATCH", "Verdict", "check", "settled", "verify_folder",
@@ -120,6 +121,9 @@ def check(folder: str | Path, *, step: int | None = None, hashes: bool = True) -
         return verdict
     if step is not None and manifest.step != step:
         return Verdict(INVALID, f"its manifest is for step {manifest.step}, not {step}", manifest)
+    incomplete = shards.layout_problem(manifest.files, manifest.shards)
+    if incomplete is not None:  # the manifest itself, read whole, says a shard or .metadata is not there
+        return Verdict(INVALID, incomplete, manifest)
     verdict, stamps = _stamps(folder, manifest)
     if verdict is not None:
         return verdict

@@ -20,7 +20,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Ranks", "detect", "group", "barrier", "from_writer", "broadcast_object", "all_agree", "sum_over_ranks",
+__all__ = ["Ranks", "detect", "group", "place", "barrier", "from_writer", "broadcast_object", "all_agree", "sum_over_ranks",
            "gather_rank_files", "rank_files_missing"]
 
 
@@ -47,10 +47,15 @@ class Ranks:
     def distributed(self) -> bool:
         return self.world_size > 1
 
+    @property
+    def nodes(self) -> int:
+        """The machines of the launch (each with its own local disk)."""
+        return max(1, self.world_size // max(1, self.local_world_size))
+
     def describe(self) -> str:
         if not self.distributed:
             return "1 process"
-        nodes = max(1, self.world_size // max(1, self.local_world_size))
+        nodes = self.nodes
         where = f" on {nodes} nodes" if nodes > 1 else ""
         return (f"{self.world_size} processes{where}; this is rank {self.rank}"
                 + (", the one that writes to the persistent folder" if self.writer else ", a follower"))
@@ -96,6 +101,12 @@ def _device(dist):
     if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def place() -> tuple[int, int]:
+    """(this rank, the number of processes) in the process group; (0, 1) without one."""
+    dist = group()
+    return (dist.get_rank(), dist.get_world_size()) if dist is not None else (0, 1)
 
 
 def barrier() -> None:

@@ -16,6 +16,7 @@ from transformers import TrainerCallback
 
 from .._units import format_age, format_bytes
 from ..checkpoints.checkpoint import checkpoint_dir
+from ..checkpoints.shards import IncompleteShards
 from ..checkpoints.snapshot import SNAPSHOTS, take_snapshot
 from ..distributed import ranks
 from ..errors import ColabKitError
@@ -189,7 +190,12 @@ class DriveSyncCallback(TrainerCallback):
             self.run.journal.write("warn", what="rank_files_missing", step=step, missing=missing)
             return
         kit_state = {"step": step, "train_seconds": round(self.run.clock.seconds, 3), "time": time.time()}
-        snapshot = take_snapshot(folder, self.run.local_dir / SNAPSHOTS, step, self.run.fingerprint, kit_state)
+        try:
+            snapshot = take_snapshot(folder, self.run.local_dir / SNAPSHOTS, step, self.run.fingerprint, kit_state)
+        except IncompleteShards as exc:  # FSDP's sharded folders: a resume from it would fail
+            self.run.notices.add(f"checkpoint-{step} is not uploaded: {exc}")
+            self.run.journal.write("warn", what="shards_missing", step=step, reason=str(exc))
+            return
         self.run.mirror.submit(snapshot)
         self.run.last_saved_step, self.run.last_checkpoint_bytes = step, snapshot.bytes
         pause = time.perf_counter() - started

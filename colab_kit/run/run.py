@@ -173,21 +173,17 @@ class Run:
 
         return save_final(self, model, tokenizer, metrics, retries)
 
-    def checkpoint_store(self):
+    def checkpoint_store(self, async_save: bool = True):
         """A `CheckpointStore` for plain PyTorch loops that shares this run's folder and uploader.
 
-        One process only: under several processes, the ranks of a plain loop would each save and
-        restore on their own, so this is refused on the followers (rank 0 may use it)."""
+        Under several processes every rank takes one (and calls save and restore_latest, as it calls its
+        training step's collectives): rank 0 writes and mirrors, the others add their own share."""
         from .store import CheckpointStore
 
         self._require_own_process("open a checkpoint store")
-        if not self.ranks.writer:
-            raise ColabKitError(f"run.checkpoint_store() is for one process, and this is rank {self.ranks.rank} of "
-                                f"{self.ranks.world_size}: use the HF Trainer with run.train, which saves and resumes "
-                                f"every rank together, or save from rank 0 only and broadcast what it restores")
-
-        return CheckpointStore(self.drive_dir, keep=self.keep, local_dir=self.local_dir,
-                               _journal=self.journal, _notices=self.notices, _mirror=self.mirror)
+        return CheckpointStore(self.drive_dir, keep=self.keep, local_dir=self.local_dir, async_save=async_save,
+                               _journal=self.journal if self.ranks.writer else None, _notices=self.notices,
+                               _mirror=self.mirror if self.ranks.writer else None)
 
     # -- main-thread housekeeping, called from the callbacks --------------------------------------
     def _remount(self) -> None:

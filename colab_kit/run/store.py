@@ -11,13 +11,19 @@
 `save` writes to local disk (fast) and returns; a background worker mirrors the checkpoint to
 `<dir>/checkpoints/checkpoint-<step>/` with the same guarantees as the Trainer path. Model
 tensors go to safetensors; everything else is read back with `torch.load(weights_only=True)`.
+
+Under several processes (torchrun, DDP or FSDP2) every rank creates the store and calls `save` and
+`restore_latest` with the same arguments, as it calls the collectives of its training step. Rank 0
+chooses, writes the replicated state and mirrors; every rank writes its RNG state and, for a sharded
+model (FSDP2), its own shards (`distributed/sharded.py`), in the background unless `async_save=False`.
+Each phase ends in one small agreement (`agreement.py`): when a rank fails, every rank raises, the
+failing one its own exception, the others a `RankFailedError` naming it, and none is left waiting.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import random
 import shutil
 import tempfile
 import uuid
@@ -27,62 +33,29 @@ from ..checkpoints.clock import clock
 from .._notices import Notices
 from ..checkpoints import storage
 from ..checkpoints.checkpoint import CHECKPOINTS, checkpoint_dir, list_checkpoints, model_signature
-from ..checkpoints.search import search_checkpoints
-from ..checkpoints.journal import EVENTS, Journal, read_history
+from ..checkpoints.journal import EVENTS, Journal
 from ..checkpoints.snapshot import SNAPSHOTS, take_snapshot
+from ..distributed import ranks, sharded
+from ..distributed.agreement import agree_outcome
 from ..drive.drivefs import folder_kind
 from ..drive.mirror import Mirror
-from ..errors import CheckpointError, DriveError, LeaseLostError, ResumeMismatchError
+from ..errors import CheckpointError, ColabKitError, LeaseLostError
+from . import statefiles
+from .storefind import check_fits, find_checkpoint
 from .finish import wait_for_cloud
 
 __all__ = ["CheckpointStore"]
 
 log = logging.getLogger(__name__)
-MODEL_FILE = "model.safetensors"
-RNG_FILE = "rng_state.pt"
-EXTRA_FILE = "extra.pt"
-_STATE_FILES = {"optimizer": "optimizer.pt", "scheduler": "scheduler.pt", "scaler": "scaler.pt"}
+_SAVE, _RESTORE = "checkpoint save", "checkpoint restore"
 
 
-def _rng_state() -> dict:
-    import numpy as np
-    import torch
-
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    state = {
-        "python": random.getstate(),
-        # numpy's state holds an ndarray, which weights_only loading refuses: store plain ints.
-        "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(gauss)],
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict) -> None:
-    import numpy as np
-    import torch
-
-    random.setstate(_as_tuple(state["python"]))
-    kind, keys, pos, has_gauss, gauss = state["numpy"]
-    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _as_tuple(obj):
-    return tuple(_as_tuple(x) for x in obj) if isinstance(obj, (list, tuple)) else obj
-
-
-def _save_fsynced(obj, path: Path) -> None:
-    import torch
-
-    with open(path, "wb") as fh:
-        torch.save(obj, fh)
-        fh.flush()
-        os.fsync(fh.fileno())
+def _failure(exc: BaseException, rank: int) -> BaseException | None:
+    """What this rank reports to the agreement for `exc`: its own error (None when DCP says only other ranks
+    failed). An interrupt or exit is not reported: it is raised at once."""
+    if not isinstance(exc, Exception) and type(exc).__name__ != "CheckpointException":
+        raise exc
+    return sharded.own_error(exc, rank)
 
 
 class CheckpointStore:
@@ -93,47 +66,143 @@ class CheckpointStore:
             `dir/checkpoints/checkpoint-<step>/`, events to `dir/events.jsonl`.
         keep: checkpoints in the cloud kept on `dir` (older ones are deleted once a newer one is in
             the cloud; on Google Drive that is when DriveFS reports it uploaded).
-        local_dir: fast local scratch for staging; a temporary folder by default.
+        local_dir: fast local scratch for staging; a temporary folder by default (rank 0's, for every
+            rank of the machine).
+        async_save: write a sharded model's shards in the background (the loop pauses only while they are
+            copied to host RAM, which holds one checkpoint's worth per process until the write ends).
 
     Attributes:
         extra: the keyword arguments given to the `save` that `restore_latest` restored.
     """
 
     def __init__(self, dir: str | os.PathLike, keep: int = 3, *, local_dir: str | os.PathLike | None = None,
-                 _journal: Journal | None = None, _notices: Notices | None = None,
+                 async_save: bool = True, _journal: Journal | None = None, _notices: Notices | None = None,
                  _mirror: Mirror | None = None):
         if int(keep) < 1:
             raise ValueError(f"keep={keep!r}: keep at least 1 checkpoint")
         self.dir = Path(dir)
         self.keep = int(keep)
-        storage.make_dirs(self.dir / CHECKPOINTS)
-        self.local_dir = Path(local_dir) if local_dir else Path(tempfile.mkdtemp(prefix="colab_kit-store-"))
+        self.async_save = bool(async_save)
+        here = ranks.detect()
+        if here.nodes > 1:  # the same answer on every rank (the launcher's environment): nobody waits
+            raise ColabKitError(
+                f"CheckpointStore under {here.describe()}: each machine's ranks would write their share of a "
+                f"checkpoint to that machine's disk, and the kit mirrors one folder, rank 0's, so no checkpoint "
+                f"would be complete. Train on one machine, or use the HF Trainer with run.train, which gathers "
+                f"every rank's RNG state and fetches per machine")
+        if here.distributed and ranks.group() is None:
+            raise ColabKitError(f"WORLD_SIZE={here.world_size} but torch.distributed is not initialised, so the ranks "
+                                f"cannot save and restore together: call dist.init_process_group() (or create the "
+                                f"model with FSDP/DDP) before creating the CheckpointStore")
+        self._rank, self._world = ranks.place()
+        self._writer = self._rank == 0
+        # One staging folder for every rank of the machine (DCP writes every rank's shards into one): rank 0's.
+        made = local_dir or (tempfile.mkdtemp(prefix="colab_kit-store-") if self._writer else None)
+        self.local_dir = Path(ranks.broadcast_object(str(made) if made else None))
         self.local_dir.mkdir(parents=True, exist_ok=True)
         self._notices = _notices or Notices()
-        self._journal = _journal or Journal(self.dir / EVENTS)
-        self._owns_mirror = _mirror is None
-        if _mirror is None:
-            _mirror = Mirror(self.dir, keep=self.keep, journal=self._journal, notices=self._notices, kind=folder_kind(self.dir))
-        self._mirror = _mirror
+        self._shards = sharded.ShardWriter()
+        self._pending: tuple[int, Path, dict] | None = None  # a background save: (step, staging, fingerprint)
+        self.extra: dict = {}
+        self._closed = False
+        self._journal = self._mirror = None
+        self._owns_mirror = False
+        if self._writer:  # the followers never touch the persistent folder
+            storage.make_dirs(self.dir / CHECKPOINTS)
+            self._journal = _journal or Journal(self.dir / EVENTS)
+            self._owns_mirror = _mirror is None
+            if _mirror is None:
+                _mirror = Mirror(self.dir, keep=self.keep, journal=self._journal, notices=self._notices,
+                                 kind=folder_kind(self.dir))
+            self._mirror = _mirror
         # What is already in the folder is adopted (and may be pruned) only after restore_latest has
         # looked at it, or at the first save: a damaged checkpoint is named to the user, not just deleted.
         self._adopted = not self._owns_mirror
-        self.extra: dict = {}
-        self._closed = False
 
     # -- saving ----------------------------------------------------------------------------
     def save(self, step: int, model=None, optimizer=None, scheduler=None, scaler=None, **extra) -> Path:
         """Write a checkpoint locally and queue its upload; returns the local folder.
 
+        Under several processes every rank calls it (see the module's docstring). A sharded model's
+        shards may still be written in the background when it returns: the next `save`, `restore_latest`,
+        `wait` or `close` finishes that save first (never more than one in flight).
+
         Args:
             step: the number of optimizer steps done (names the folder).
-            model: saved with safetensors (shared/tied tensors handled).
+            model: saved with safetensors (shared/tied tensors handled); a sharded model (FSDP2) with
+                torch.distributed.checkpoint, together with `optimizer`.
             optimizer, scheduler, scaler: their `state_dict()`s.
             **extra: small picklable-free values (numbers, strings, lists, dicts, tensors),
                 available as `store.extra` after `restore_latest`.
-        """
-        from safetensors.torch import save_model
 
+        Raises:
+            RankFailedError: another rank failed in this save (this rank's own error is raised as it is).
+        """
+        self._finish_pending()
+        step = int(step)
+        is_sharded = model is not None and sharded.is_sharded(model)
+        staging = self.local_dir / f".staging-{step}-{ranks.broadcast_object(uuid.uuid4().hex[:8])}"
+        background = is_sharded and self.async_save
+        try:
+            self._agreed(lambda: self._write_rank_files(step, staging, is_sharded, model, optimizer, scheduler,
+                                                        scaler, extra), _SAVE, step)
+            if is_sharded:
+                self._agreed(lambda: self._shards.start(staging / sharded.SHARDS, model, optimizer,
+                                                        background=background), _SAVE, step)
+        except BaseException:
+            self._discard(staging)
+            raise
+        fingerprint = model_signature(model) if model is not None else {}
+        if background:
+            self._pending = (step, staging, fingerprint)
+            return checkpoint_dir(self.local_dir, step)
+        return self._publish(step, staging, fingerprint)
+
+    def _write_rank_files(self, step, staging, is_sharded, model, optimizer, scheduler, scaler, extra) -> None:
+        if self._writer:
+            self._refuse_if_unusable(step)
+            self._adopt()
+        statefiles.write_rank_files(staging, self._rank, self._world, sharded=is_sharded, model=model,
+                                    optimizer=optimizer, scheduler=scheduler, scaler=scaler, extra=extra)
+
+    def _finish_pending(self) -> None:
+        """Wait for the background save, agree that every rank wrote its shards, and publish it."""
+        if self._pending is None:
+            return
+        step, staging, fingerprint = self._pending
+        self._pending = None
+        try:
+            self._agreed(self._shards.finish, _SAVE, step)
+        except BaseException:
+            self._discard(staging)
+            raise
+        self._publish(step, staging, fingerprint)
+
+    def _publish(self, step: int, staging: Path, fingerprint: dict) -> Path:
+        """Rank 0 renames the finished checkpoint into place and queues its upload; every rank learns how it went."""
+        final = checkpoint_dir(self.local_dir, step)
+
+        def publish() -> None:
+            if not self._writer:
+                return
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(staging, final)
+            storage.fsync_dir(self.local_dir)
+            self._mirror.submit(take_snapshot(final, self.local_dir / SNAPSHOTS, step, fingerprint))
+            self._journal.write("save", step=step, local=str(final))
+            for _, old in list_checkpoints(self.local_dir)[self.keep:]:
+                shutil.rmtree(old, ignore_errors=True)  # the snapshot keeps its own links
+
+        try:  # every file is fsynced by its writer (DCP's too: its FileSystemWriter syncs by default)
+            self._agreed(publish, _SAVE, step)
+        except BaseException:
+            self._discard(staging)
+            raise
+        self._show()
+        return final
+
+    def _refuse_if_unusable(self, step: int) -> None:
         if self._closed:
             raise CheckpointError("this CheckpointStore is closed; create a new one to save again")
         if self._mirror.closed:  # the run it came from is finished: nothing would copy this checkpoint
@@ -144,126 +213,115 @@ class CheckpointStore:
             raise LeaseLostError(f"{self._mirror.unsynced_reason}: checkpoint-{int(step)} is not saved, and this "
                                  f"runtime should train no further. Continue in the runtime that took over; or, to "
                                  f"take the run back here, run the start_run cell again with takeover=True")
-        self._adopt()
-        step = int(step)
-        staging = self.local_dir / f".staging-{step}-{uuid.uuid4().hex[:8]}"
-        staging.mkdir(parents=True)
-        try:
-            if model is not None:
-                save_model(model, str(staging / MODEL_FILE))
-            for key, obj in (("optimizer", optimizer), ("scheduler", scheduler), ("scaler", scaler)):
-                if obj is not None:
-                    _save_fsynced(obj.state_dict(), staging / _STATE_FILES[key])
-            _save_fsynced(_rng_state(), staging / RNG_FILE)
-            _save_fsynced(dict(extra), staging / EXTRA_FILE)
-            for path in staging.iterdir():  # safetensors does not fsync
-                with open(path, "rb+") as fh:
-                    os.fsync(fh.fileno())
-            final = checkpoint_dir(self.local_dir, step)
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(staging, final)
-            storage.fsync_dir(self.local_dir)
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
-        fingerprint = model_signature(model) if model is not None else {}
-        self._mirror.submit(take_snapshot(final, self.local_dir / SNAPSHOTS, step, fingerprint))
-        self._journal.write("save", step=step, local=str(final))
-        for _, old in list_checkpoints(self.local_dir)[self.keep:]:
-            shutil.rmtree(old, ignore_errors=True)  # the snapshot keeps its own links
-        self._notices.show()
-        return final
 
     # -- restoring ---------------------------------------------------------------------------
     def restore_latest(self, model=None, optimizer=None, scheduler=None, scaler=None, *,
                        map_location="cpu") -> int | None:
         """Load the newest checkpoint that verifies; returns its step, or None when there is none.
 
-        Invalid checkpoints (no manifest, truncated or corrupted files) are skipped with a
-        warning naming them. RNG states (Python, NumPy, torch CPU and CUDA) are restored too.
+        Invalid checkpoints (no manifest, truncated or corrupted files, a shard or `.metadata` missing) are
+        skipped with a warning naming them. RNG states (Python, NumPy, torch CPU and CUDA) are restored too,
+        each rank's its own. A checkpoint of a sharded model loads into another number of processes, and
+        into a plain model on one process (and a plain checkpoint into a sharded model).
 
         Raises:
             ResumeMismatchError: the checkpoint's tensors do not fit `model`.
             DriveError: checkpoints exist but none could be read (retried first): never taken for none.
+            RankFailedError: another rank failed in this restore.
         """
-        import torch
-        from safetensors.torch import load_model
+        self._finish_pending()
+        found = None
 
-        def skipped(path: Path, reason: str) -> None:
-            self._notices.add(f"skipping checkpoint {path}: {reason}")
-            self._journal.write("warn", what="invalid_checkpoint", path=str(path), reason=reason)
+        def choose() -> None:
+            nonlocal found
+            if self._writer:
+                found = find_checkpoint(self.dir, self.local_dir, self._journal, self._notices)
+                self._adopt()
+                self._show()
+                if found is not None:
+                    check_fits(found, model)
 
-        try:
-            told = read_history(self.dir / EVENTS, expected=bool(list_checkpoints(self.dir / CHECKPOINTS)))
-        except OSError as exc:
-            raise DriveError(f"the journal of {self.dir} ({EVENTS}) could not be read ({exc}), so which checkpoints "
-                             f"reached the cloud is unknown: nothing was restored or deleted. Call restore_latest() "
-                             f"again once the folder answers") from exc
-        search = search_checkpoints([("drive", self.dir / CHECKPOINTS), ("local", self.local_dir)],
-                                    self.local_dir, on_skip=skipped, told=told)
-        if search.blocked:
-            path, reason = search.blocked[0]
-            raise DriveError(f"{path.name} in {self.dir / CHECKPOINTS} cannot be used now ({reason}), so nothing was "
-                             f"restored (an older checkpoint is never taken in its place) and nothing was deleted. "
-                             f"Call restore_latest() again in a minute")
-        for path, reason in search.unreadable:
-            self._journal.write("warn", what="unreadable_checkpoint", path=str(path), reason=reason)
-        if search.unreadable and search.found is None:  # "could not read" is never "nothing to restore"
-            raise DriveError(f"checkpoints in {self.dir / CHECKPOINTS} could not be read "
-                             f"({'; '.join(f'{p.name}: {r}' for p, r in search.unreadable)}), so nothing was "
-                             f"restored and nothing was deleted. Call restore_latest() again once the folder "
-                             f"answers, or save into another folder to start fresh")
-        if search.unreadable:
-            self._notices.add(f"could not read {', '.join(p.name for p, _ in search.unreadable)}; restoring "
-                              f"checkpoint-{search.found.step}, the newest that could be read")
-        self._adopt()
-        self._notices.show()
-        found = search.found
-        if found is None:
+        self._agreed(choose, _RESTORE)
+        chosen = ranks.broadcast_object(None if found is None else (found.step, str(found.path)))
+        if chosen is None:
             return None
-        saved = found.manifest.fingerprint
-        if model is not None and saved.get("model") and saved["model"] != model_signature(model)["model"]:
-            raise ResumeMismatchError(
-                f"checkpoint-{found.step} in {found.source.parent} holds a model of "
-                f"{saved.get('parameters', '?'):,} parameters with different tensor names or shapes "
-                f"than this one ({model_signature(model)['parameters']:,}). Load it into the same "
-                f"architecture, or save into a new folder: ck.CheckpointStore('<another folder>')")
-        path = found.path
-        if model is not None:
-            load_model(model, str(path / MODEL_FILE), strict=True)
-        for key, obj in (("optimizer", optimizer), ("scheduler", scheduler), ("scaler", scaler)):
-            if obj is not None:
-                file = path / _STATE_FILES[key]
-                if not file.exists():
-                    raise CheckpointError(f"checkpoint-{found.step} has no {key} state ({file.name}); "
-                                          f"it was saved without {key}=")
-                obj.load_state_dict(torch.load(file, map_location=map_location, weights_only=True))
-        self.extra = torch.load(path / EXTRA_FILE, map_location=map_location, weights_only=True)
-        _set_rng_state(torch.load(path / RNG_FILE, weights_only=True))
-        self._journal.write("resume", step=found.step, origin=found.origin, source=str(found.source))
-        return found.step
+        step, path = chosen[0], Path(chosen[1])
+        shards = path / sharded.SHARDS
+        if shards.is_dir():
+            self._agreed(lambda: self._check_shards(step, shards, model, optimizer), _RESTORE, step)
+            self._agreed(lambda: sharded.load(shards, model, optimizer), _RESTORE, step)
+            others = {"scheduler": scheduler, "scaler": scaler}
+        else:
+            others = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "scaler": scaler}
+        self._agreed(lambda: self._load_rest(path, step, others, map_location), _RESTORE, step)
+        if found is not None:
+            self._journal.write("resume", step=found.step, origin=found.origin, source=str(found.source))
+        return step
+
+    @staticmethod
+    def _check_shards(step: int, shards: Path, model, optimizer) -> None:
+        if model is None:
+            raise CheckpointError(f"checkpoint-{step} holds a sharded model ({shards.name}/): pass model= (and "
+                                  f"optimizer=) to restore_latest, which loads them together")
+        if optimizer is not None and not sharded.has_optimizer(shards):
+            raise CheckpointError(f"checkpoint-{step} has no optimizer state in {shards.name}/; it was saved "
+                                  f"without optimizer=")
+
+    def _load_rest(self, path: Path, step: int, objects: dict, map_location) -> None:
+        import torch
+
+        statefiles.load_state_files(path, step, map_location=map_location, **objects)
+        self.extra = torch.load(path / statefiles.EXTRA_FILE, map_location=map_location, weights_only=True)
+        if not statefiles.load_rng(path, self._rank):
+            log.info("checkpoint-%d holds no RNG state for rank %d (saved by fewer processes): it keeps its own",
+                     step, self._rank)
 
     def _adopt(self) -> None:
         if not self._adopted:
             self._adopted = True
             self._mirror.adopt_existing()
 
+    # -- every rank together -----------------------------------------------------------------
+    def _agreed(self, part, where: str, step: int | None = None) -> None:
+        """Run `part` on this rank, then let every rank learn whether any rank failed in it (and raise)."""
+        error = None
+        try:
+            part()
+        except BaseException as exc:
+            error = _failure(exc, self._rank)
+        agree_outcome(error, where, step=step)
+
+    def _discard(self, staging: Path) -> None:
+        if self._writer:
+            shutil.rmtree(staging, ignore_errors=True)
+
+    def _show(self) -> None:
+        if self._writer:
+            self._notices.show()
+
     # -- lifecycle -----------------------------------------------------------------------------
     def wait(self, timeout: float | None = None) -> bool:
         """Block until every saved checkpoint is written to `dir` and in the cloud; False on timeout
-        (and always False on a Drive mount that cannot confirm uploads)."""
-        deadline = None if timeout is None else clock.monotonic() + timeout
-        done = self._mirror.drain(timeout) and wait_for_cloud(self._mirror.tracker, deadline)
-        self._notices.show()
-        return done
+        (and always False on a Drive mount that cannot confirm uploads). Every rank gets rank 0's answer."""
+        self._finish_pending()
+        done = False
+
+        def wait() -> None:
+            nonlocal done
+            if self._writer:
+                deadline = None if timeout is None else clock.monotonic() + timeout
+                done = self._mirror.drain(timeout) and wait_for_cloud(self._mirror.tracker, deadline)
+                self._notices.show()
+
+        self._agreed(wait, "checkpoint wait")
+        return ranks.from_writer(done)
 
     def close(self, timeout: float | None = 600) -> bool:
         """Wait for pending uploads (up to `timeout` seconds) and stop the worker; idempotent."""
         if self._closed:
             return True
         done = self.wait(timeout)
-        if not done:
+        if not done and self._writer:
             tracker = self._mirror.tracker
             self._notices.add(f"not everything is in the cloud: {tracker.describe()}; not yet written to "
                               f"{self.dir}: {self._mirror.pending_steps or 'none'} "
@@ -277,5 +335,11 @@ class CheckpointStore:
     def __enter__(self) -> "CheckpointStore":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, kind, value, traceback) -> None:
+        if kind is None or ranks.group() is None:
+            self.close()
+        elif not self._closed:  # an error on this rank alone must not wait for the others in a collective
+            if self._owns_mirror:
+                self._mirror.close()
+            self._closed = True
+

@@ -49,7 +49,7 @@ class Killer:
 def install_kill_hooks(killer: Killer, drive: Path) -> None:
     from colab_kit.checkpoints import storage
     from colab_kit.drive import deleters
-    from colab_kit.run import store
+    from colab_kit.run import statefiles
 
     write_chunk = storage._write_chunk
 
@@ -90,14 +90,14 @@ def install_kill_hooks(killer: Killer, drive: Path) -> None:
 
     deleters._remove_tree = prune
 
-    save_fsynced = store._save_fsynced
+    save_fsynced = statefiles.save_fsynced
 
     def plain_local_save(obj, path):
         if Path(path).name == "optimizer.pt" and killer.hit("local_save"):
             die()
         save_fsynced(obj, path)
 
-    store._save_fsynced = plain_local_save
+    statefiles.save_fsynced = plain_local_save
 
     from transformers import Trainer
 

@@ -30,9 +30,12 @@ def preload() -> None:
     import plain_loop_job  # noqa: F401
     import ranks_job  # noqa: F401
     import safetensors.torch  # noqa: F401
+    import sharded_job  # noqa: F401
     import tiny_job  # noqa: F401
     import torch  # noqa: F401
     import torch.distributed  # noqa: F401
+    import torch.distributed.checkpoint  # noqa: F401
+    import torch.distributed.fsdp  # noqa: F401
     from transformers import (  # noqa: F401
         BertConfig,
         BertForSequenceClassification,

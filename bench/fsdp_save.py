@@ -1,0 +1,168 @@
+"""How long does a plain training loop stop for a checkpoint on 2 processes? Sharded (FSDP2) saves through
+`ck.CheckpointStore`, written in the background (async DCP) or in the foreground (sync DCP), against the
+kit's DDP path (rank 0 writes the replicated model and optimizer with safetensors and torch.save).
+
+    python bench/fsdp_save.py [--width 1024] [--layers 8] [--saves 5] [--steps-between 6]
+
+Two gloo processes on the CPU (torchrun, started by this script). Each mode trains the same MLP with
+AdamW and saves every --steps-between steps into its own run folder (a local folder standing in for
+Drive: the mirror copies in the background in every mode). Pause = wall time inside `store.save` on
+rank 0 (every rank waits for the slowest at the save's agreements), median over --saves saves; the
+first save of each mode is left out (it starts the background thread and process group). Modes are
+interleaved (ddp, sync, async, ddp, ...), one save each in turn.
+
+Host RAM of an async save: rank 0's peak resident memory (psutil RSS, sampled every millisecond) while
+one async save is in flight, above its RSS just before, against the bytes of the rank's shards (what DCP
+copies to host memory to write them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def build(width: int, layers: int, sharded: bool):
+    import torch
+
+    torch.manual_seed(0)
+    blocks = []
+    for _ in range(layers):
+        blocks += [torch.nn.Linear(width, width), torch.nn.ReLU()]
+    model = torch.nn.Sequential(*blocks, torch.nn.Linear(width, 8))
+    if sharded:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer)
+        fully_shard(model)
+        return model, model
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(model), model
+
+
+def ranks_main(args) -> None:
+    import psutil
+    import torch
+    import torch.distributed as dist
+
+    import colab_kit as ck
+    from colab_kit.distributed import sharded as sharding
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    root = Path(args.root)
+    modes = {}
+    for name in ("ddp", "sync", "async"):
+        wrapped, model = build(args.width, args.layers, sharded=name != "ddp")
+        optimizer = torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
+        store = ck.CheckpointStore(root / name / "drive", keep=2, local_dir=root / name / "local",
+                                   async_save=name == "async")
+        modes[name] = {"wrapped": wrapped, "model": model, "opt": optimizer, "store": store, "pauses": [], "step": 0}
+    generator = torch.Generator().manual_seed(rank)
+    process = psutil.Process()
+    for mode in modes.values():  # one step first: AdamW makes its state at its first step
+        train(mode, 1, args.width, generator)
+    grew, held = async_ram(modes["async"], process)  # before any other staging copy the allocator could reuse
+    for turn in range(args.saves + 1):
+        for name, mode in modes.items():
+            train(mode, args.steps_between, args.width, generator)
+            dist.barrier()
+            started = time.perf_counter()
+            mode["store"].save(mode["step"], model=mode["model"], optimizer=mode["opt"])
+            if turn > 0:
+                mode["pauses"].append(time.perf_counter() - started)
+    shard_bytes = sharding.state_bytes(modes["async"]["model"], modes["async"]["opt"])
+    for mode in modes.values():
+        mode["store"].close()
+    if rank == 0:
+        report(args, modes, shard_bytes, grew, held)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def train(mode: dict, steps: int, width: int, generator) -> None:
+    import torch
+    import torch.nn.functional as F
+
+    for _ in range(steps):
+        x = torch.randn(16, width, generator=generator)
+        y = torch.randint(0, 8, (16,), generator=generator)
+        F.cross_entropy(mode["wrapped"](x), y).backward()
+        mode["opt"].step()
+        mode["opt"].zero_grad(set_to_none=True)
+        mode["step"] += 1
+
+
+def async_ram(mode: dict, process) -> tuple[int, int]:
+    """Rank 0's peak RSS while one async save is in flight (sampled every ms), and its RSS once the save
+    ended, each above its RSS just before."""
+    import threading
+
+    store = mode["store"]
+    store._finish_pending()  # nothing else in flight: the baseline is the loop's own memory
+    before = peak = process.memory_info().rss
+    done = threading.Event()
+
+    def sample():
+        nonlocal peak
+        while not done.is_set():
+            peak = max(peak, process.memory_info().rss)
+            time.sleep(0.001)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    mode["step"] += 1
+    store.save(mode["step"], model=mode["model"], optimizer=mode["opt"])
+    store._finish_pending()
+    done.set()
+    sampler.join()
+    return peak - before, process.memory_info().rss - before
+
+
+def report(args, modes: dict, shard_bytes: int, grew: int, held: int) -> None:
+    params = sum(p.numel() for p in modes["sync"]["model"].parameters())
+    print(f"MLP of {params / 1e6:.1f} M parameters (AdamW: {params * 16 / 2**20:.0f} MiB of model and optimizer "
+          f"state), 2 gloo processes, {args.saves} saves per mode, {args.steps_between} steps between saves")
+    print(f"{'mode':<28} {'median pause':>13} {'min':>8} {'max':>8}")
+    medians = {}
+    for name, label in (("ddp", "DDP (rank 0 writes all)"), ("sync", "FSDP2, sync DCP"), ("async", "FSDP2, async DCP")):
+        pauses = modes[name]["pauses"]
+        medians[name] = statistics.median(pauses)
+        print(f"{label:<28} {medians[name] * 1e3:>10.1f} ms {min(pauses) * 1e3:>5.1f} ms {max(pauses) * 1e3:>5.1f} ms")
+    print(f"pause ratio async/sync: {medians['async'] / medians['sync']:.2f}; async/ddp: "
+          f"{medians['async'] / medians['ddp']:.2f}; sync/ddp: {medians['sync'] / medians['ddp']:.2f}")
+    print(f"host RAM of an async save on rank 0: peak RSS +{grew / 2**20:.1f} MiB while it is in flight, "
+          f"+{held / 2**20:.1f} MiB still held after it ended; the rank's shards of model and optimizer are "
+          f"{shard_bytes / 2**20:.1f} MiB")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--saves", type=int, default=5)
+    parser.add_argument("--steps-between", type=int, default=6)
+    parser.add_argument("--root")
+    args = parser.parse_args()
+    if "RANK" in os.environ:
+        ranks_main(args)
+        return
+    with tempfile.TemporaryDirectory(prefix="fsdp-save-") as root:
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", __file__,
+                   "--width", str(args.width), "--layers", str(args.layers), "--saves", str(args.saves),
+                   "--steps-between", str(args.steps_between), "--root", root]
+        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+        sys.exit(subprocess.run(command, env=env).returncode)
+
+
+if __name__ == "__main__":
+    main()

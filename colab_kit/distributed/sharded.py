@@ -1,0 +1,169 @@
+"""A sharded model (FSDP2: parameters are DTensors) and its optimizer, saved and loaded with
+torch.distributed.checkpoint (DCP).
+
+Each rank writes its own shards and rank 0 writes `.metadata` once all have finished; a load reshards,
+so a checkpoint written by 2 processes loads into 1 (a plain model) and back. `ShardWriter.start` can
+save in the background (`dcp.async_save`): it first copies the rank's state into host memory (the
+training loop pauses only for that copy, and it costs one checkpoint's worth of host RAM per process),
+then writes from a thread. Never more than one save is in flight: the next one, or any restore, waits
+for it. The background save runs its collectives on a process group of its own, so that they never
+interleave with the training loop's.
+
+DCP raises one `CheckpointException` on every rank when any rank fails inside it; `own_error` turns that
+back into this rank's own exception (or None when only others failed), for `agreement.py` to tell every
+rank who failed and why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from pathlib import Path
+
+from .ranks import group
+
+__all__ = ["SHARDS", "is_sharded", "has_optimizer", "ShardWriter", "load", "load_whole", "own_error", "state_bytes"]
+
+SHARDS = "shards"  # the DCP folder inside a CheckpointStore checkpoint
+
+
+@contextlib.contextmanager
+def _one_process(alone: bool):
+    """DCP warns that it "assumes" one process whenever it runs without collectives; here the kit chose to."""
+    with warnings.catch_warnings():
+        if alone:
+            warnings.filterwarnings("ignore", message="torch.distributed is (disabled, )?unavailable or uninit")
+        yield
+
+
+def is_sharded(model) -> bool:
+    """True when `model`'s parameters are DTensors (FSDP2's `fully_shard`, or tensor parallelism)."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch built without distributed support
+        return False
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def _state(model, optimizer) -> dict:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(model, [optimizer] if optimizer is not None else [])
+    return {"model": model_state, **({"optimizer": optim_state} if optimizer is not None else {})}
+
+
+def state_bytes(model, optimizer) -> int:
+    """Bytes of this rank's shards of the model and optimizer: what an async save copies to host RAM."""
+    import torch
+
+    total = 0
+
+    def add(obj):
+        nonlocal total
+        if isinstance(obj, torch.Tensor):
+            local = obj.to_local() if hasattr(obj, "to_local") else obj
+            total += local.numel() * local.element_size()
+        elif isinstance(obj, dict):
+            for value in obj.values():
+                add(value)
+        elif isinstance(obj, (list, tuple)):
+            for value in obj:
+                add(value)
+
+    add(dict(model.state_dict()))
+    if optimizer is not None:
+        add(optimizer.state_dict()["state"])
+    return total
+
+
+class ShardWriter:
+    """Writes the shards of one checkpoint at a time, in the foreground or the background."""
+
+    def __init__(self):
+        self._future = None
+        self._group = None
+
+    @property
+    def in_flight(self) -> bool:
+        return self._future is not None
+
+    def start(self, folder: Path, model, optimizer, *, background: bool) -> None:
+        """Save `model` and `optimizer` into `folder` (collective: every rank calls it with the same folder).
+        In the background, it returns once this rank's state is copied; `finish` waits for the write."""
+        import torch.distributed.checkpoint as dcp
+
+        if self._future is not None:
+            raise RuntimeError("a sharded save is still in flight: finish() it first")
+        state = _state(model, optimizer)
+        if not background:
+            with _one_process(group() is None):
+                dcp.save(state, checkpoint_id=str(folder), no_dist=group() is None)
+            return
+        dist = group()
+        if dist is not None and self._group is None:
+            self._group = dist.new_group(backend="gloo")  # collective: every rank is in the same save
+        self._future = dcp.async_save(state, checkpoint_id=str(folder), process_group=self._group)
+
+    def finish(self) -> None:
+        """Wait for the save in flight, if any; raises what it raised."""
+        future, self._future = self._future, None
+        if future is not None:
+            future.result()
+
+
+def has_optimizer(folder: Path) -> bool:
+    """Whether the DCP checkpoint in `folder` holds an optimizer state."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    keys = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    return any(key.startswith("optimizer.") for key in keys)
+
+
+def load(folder: Path, model, optimizer) -> None:
+    """Load a DCP checkpoint into `model` and `optimizer`, resharded to this run's processes. Collective
+    for a sharded model; a plain model (one process, or DDP's replicas) reads every shard on its own."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    state = _state(model, optimizer)
+    alone = not is_sharded(model) or group() is None
+    with _one_process(alone):
+        dcp.load(state, checkpoint_id=str(folder), no_dist=alone)
+    set_state_dict(model, [optimizer] if optimizer is not None else [], model_state_dict=state["model"],
+                   optim_state_dict=state.get("optimizer", {}))
+
+
+def load_whole(model, optimizer, model_state: dict, optim_state: dict | None) -> None:
+    """Load whole tensors (a checkpoint saved without shards) into a sharded model and its optimizer:
+    each rank keeps its own shard. The optimizer's state_dict() numbers parameters in the order of its
+    groups; this optimizer was built over the same parameters in the same order, which names them."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
+    whole = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(model, model_state, options=whole)
+    if optimizer is None or optim_state is None:
+        return
+    names = {id(p): name for name, p in model.named_parameters()}
+    state, groups = {}, []
+    for saved, current in zip(optim_state["param_groups"], optimizer.param_groups, strict=True):
+        fqns = [names[id(p)] for p in current["params"]]
+        for index, fqn in zip(saved["params"], fqns, strict=True):
+            if index in optim_state["state"]:
+                state[fqn] = optim_state["state"][index]
+        groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": fqns})
+    set_optimizer_state_dict(model, optimizer, {"state": state, "param_groups": groups}, options=whole)
+
+
+def own_error(exc: BaseException, rank: int) -> BaseException | None:
+    """This rank's own exception inside DCP's `CheckpointException`, or None when only other ranks failed
+    (the agreement names them); any other exception is this rank's."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if not isinstance(exc, CheckpointException):
+        return exc
+    mine = exc.failures.get(rank)
+    if mine is None:
+        return None
+    inner = mine[0] if isinstance(mine, tuple) else mine
+    return inner if isinstance(inner, BaseException) else exc

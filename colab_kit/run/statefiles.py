@@ -1,0 +1,134 @@
+"""The files of a `CheckpointStore` checkpoint: what each rank writes, and how each is read back.
+
+    checkpoint-<step>/
+      model.safetensors      the model (one process, or DDP: rank 0's copy of the replicated weights)
+      optimizer.pt           its state_dict() (likewise)
+      shards/                a sharded model (FSDP2) and its optimizer: torch.distributed.checkpoint,
+                             one `__<rank>_0.distcp` per rank and `.metadata` (`distributed/sharded.py`)
+      scheduler.pt, scaler.pt, extra.pt      rank 0's (the same on every rank)
+      rng_state.pt           one process; with several, rng_state_<rank>.pt from each rank
+
+Every file is fsynced before the folder is renamed into place; tensors are read back with safetensors
+or `torch.load(weights_only=True)` only.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+from ..errors import CheckpointError
+
+__all__ = ["MODEL_FILE", "EXTRA_FILE", "STATE_FILES", "rng_file", "write_rank_files", "load_state_files",
+           "load_rng", "save_fsynced"]
+
+MODEL_FILE = "model.safetensors"
+EXTRA_FILE = "extra.pt"
+STATE_FILES = {"optimizer": "optimizer.pt", "scheduler": "scheduler.pt", "scaler": "scaler.pt"}
+
+
+def rng_file(rank: int, world: int) -> str:
+    return "rng_state.pt" if world == 1 else f"rng_state_{rank}.pt"
+
+
+def _rng_state() -> dict:
+    import numpy as np
+    import torch
+
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        # numpy's state holds an ndarray, which weights_only loading refuses: store plain ints.
+        "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(gauss)],
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    import numpy as np
+    import torch
+
+    random.setstate(_as_tuple(state["python"]))
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _as_tuple(obj):
+    return tuple(_as_tuple(x) for x in obj) if isinstance(obj, (list, tuple)) else obj
+
+
+def save_fsynced(obj, path: Path) -> None:
+    import torch
+
+    with open(path, "wb") as fh:
+        torch.save(obj, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def write_rank_files(folder: Path, rank: int, world: int, *, sharded: bool, model=None, optimizer=None,
+                     scheduler=None, scaler=None, extra: dict | None = None) -> None:
+    """Write this rank's share of a checkpoint into `folder`, fsynced (the shards are `sharded.py`'s)."""
+    from safetensors.torch import save_model
+
+    folder.mkdir(parents=True, exist_ok=True)
+    save_fsynced(_rng_state(), folder / rng_file(rank, world))
+    if rank != 0:
+        return  # everything else is the same on every rank: rank 0's copy is the checkpoint's
+    if model is not None and not sharded:
+        save_model(model, str(folder / MODEL_FILE))
+        with open(folder / MODEL_FILE, "rb+") as fh:  # safetensors does not fsync
+            os.fsync(fh.fileno())
+    parts = (("scheduler", scheduler), ("scaler", scaler)) + ((("optimizer", optimizer),) if not sharded else ())
+    for key, obj in parts:
+        if obj is not None:
+            save_fsynced(obj.state_dict(), folder / STATE_FILES[key])
+    save_fsynced(dict(extra or {}), folder / EXTRA_FILE)
+
+
+def load_state_files(path: Path, step: int, *, model=None, optimizer=None, scheduler=None, scaler=None,
+                     map_location="cpu") -> None:
+    """Load a checkpoint written without shards (model.safetensors, optimizer.pt) into the given objects;
+    a sharded model takes the whole tensors and keeps its own shard of each (`sharded.load_whole`)."""
+    import torch
+    from safetensors.torch import load_file, load_model
+
+    from ..distributed import sharded
+
+    def state_of(key: str):
+        file = path / STATE_FILES[key]
+        if not file.exists():
+            raise CheckpointError(f"checkpoint-{step} has no {key} state ({file.name}); it was saved without {key}=")
+        return torch.load(file, map_location=map_location, weights_only=True)
+
+    if model is not None and sharded.is_sharded(model):
+        sharded.load_whole(model, optimizer, load_file(str(path / MODEL_FILE)),
+                           state_of("optimizer") if optimizer is not None else None)
+    else:
+        if model is not None:
+            load_model(model, str(path / MODEL_FILE), strict=True)
+        if optimizer is not None:
+            optimizer.load_state_dict(state_of("optimizer"))
+    for key, obj in (("scheduler", scheduler), ("scaler", scaler)):
+        if obj is not None:
+            obj.load_state_dict(state_of(key))
+
+
+def load_rng(path: Path, rank: int) -> bool:
+    """Restore this rank's RNG states from the checkpoint; False when it holds none for this rank (it was
+    saved by fewer processes: this rank keeps its own)."""
+    import torch
+
+    names = [f"rng_state_{rank}.pt"] + (["rng_state.pt"] if rank == 0 else [])
+    for name in names:
+        if (path / name).is_file():
+            _set_rng_state(torch.load(path / name, weights_only=True))
+            return True
+    return False

@@ -1,0 +1,201 @@
+"""Sharded training without losing work (issue 31): FSDP2 + AdamW on 2 gloo processes, saved and resumed
+through ck.CheckpointStore with torch.distributed.checkpoint, killed anywhere, resumed on another number
+of processes; errors in a save reaching every rank; incomplete sharded checkpoints never used; the HF
+Trainer's FSDP layout mirrored and resumed.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+import harness
+import pytest
+from transformers import TrainerControl, TrainerState
+
+import colab_kit as ck
+import warm
+from colab_kit.checkpoints import validity
+from colab_kit.checkpoints.manifest import Manifest, hash_folder, read_manifest, write_manifest
+from colab_kit.checkpoints.shards import IncompleteShards
+from colab_kit.checkpoints.snapshot import take_snapshot
+from colab_kit.errors import ColabKitError
+from colab_kit.run.callbacks import DriveSyncCallback
+
+pytestmark = pytest.mark.slow
+
+ENV = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+
+
+def launch(where: Path, world: int, *options, name: str = "job"):
+    """`sharded_job.py` on `world` processes (one: no process group, a plain model) with the run folder
+    `where/drive` and local disk `where/local`."""
+    argv = ["--drive-dir", str(where / "drive"), "--local-dir", str(where / "local"), *map(str, options)]
+    env = {k: v for k, v in ENV.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    if world == 1:
+        return warm.start(argv, env=env, cwd=where, out=where / f"{name}.log", script="sharded_job")
+    return warm.start_ranks(argv, world=world, env=env, cwd=where, out_prefix=where / name, script="sharded_job")
+
+
+def run_to_end(where: Path, world: int, *options, name: str = "job") -> str:
+    job = launch(where, world, *options, name=name)
+    code = job.wait(timeout=180)
+    said = job.communicate()[0]
+    assert code == 0, said[-4000:]
+    return said
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """An uninterrupted 2-process run of 8 steps, saving every 2 (in the background): its folder and its
+    final weights and optimizer state (whole tensors) in final.safetensors."""
+    where = tmp_path_factory.mktemp("reference")
+    run_to_end(where, 2, "--out", where / "final.safetensors")
+    return where
+
+
+@pytest.mark.parametrize("die", ["3:step", "4:save", "6:mirror"])
+def test_a_sharded_run_killed_anywhere_resumes_to_the_uninterrupted_weights(tmp_path, reference, die):
+    """Every rank killed at once: mid-training, right after an async save began (its shards half written),
+    and once a checkpoint is queued for upload. The newest checkpoint on the run folder always verifies and
+    the resumed run ends with the uninterrupted run's weights and Adam state."""
+    killed = launch(tmp_path, 2, "--die", die, name="killed")
+    assert killed.wait(timeout=180) == 9, killed.communicate()[0][-3000:]
+    for path in (tmp_path / "drive" / "checkpoints").glob("checkpoint-*"):
+        if (path / "MANIFEST.json").exists():  # a folder with a manifest is whole: never a half-written one
+            assert validity.check(path).valid, path
+    said = run_to_end(tmp_path, 2, "--out", tmp_path / "final.safetensors", name="resumed")
+    resumed_at = int(said.split("RESUMED ")[1].split()[0])
+    assert resumed_at % 2 == 0 and resumed_at <= int(die.split(":")[0]), said[-2000:]
+    final = harness.load_weights(tmp_path / "final.safetensors")
+    assert harness.max_abs_diff(final, harness.load_weights(reference / "final.safetensors")) <= 1e-6
+
+
+def test_a_checkpoint_of_two_processes_resumes_on_one_and_back(tmp_path, reference):
+    """DCP reshards: the 2-process checkpoint loads into one process's plain model, exactly; that process
+    trains on and saves a plain checkpoint, which loads into 2 sharded processes, exactly."""
+    shutil.copytree(reference / "drive", tmp_path / "drive")
+    run_to_end(tmp_path, 1, "--dump-restored", tmp_path / "on-one.safetensors", name="one")
+    restored = harness.load_weights(tmp_path / "on-one.safetensors")
+    assert harness.max_abs_diff(restored, harness.load_weights(reference / "final.safetensors")) == 0.0
+    run_to_end(tmp_path, 1, "--steps", 10, "--out", tmp_path / "one-10.safetensors", name="one-on")
+    assert (tmp_path / "drive" / "checkpoints" / "checkpoint-10" / "model.safetensors").is_file()
+    said = run_to_end(tmp_path, 2, "--dump-restored", tmp_path / "on-two.safetensors", name="two")
+    assert "RESUMED 10 extra={'seen': 10}" in said
+    back = harness.load_weights(tmp_path / "on-two.safetensors")
+    assert harness.max_abs_diff(back, harness.load_weights(tmp_path / "one-10.safetensors")) == 0.0
+
+
+@pytest.mark.parametrize("where", ["files", "shards"])
+@pytest.mark.parametrize("how", ["async", "sync"])
+def test_an_error_on_one_rank_in_a_checkpoint_save_reaches_every_rank(tmp_path, where, how):
+    """A ValueError on rank 1 while it writes its own files, or inside DCP's write (in the background for an
+    async save: it surfaces at the next save). Rank 0 names rank 1 and the ValueError; rank 1 raises its own
+    and lives on; both end within seconds."""
+    started = time.monotonic()
+    ranks = launch(tmp_path, 2, "--fail", f"1:{where}:4", "--linger", 120, *(["--sync"] if how == "sync" else []))
+    rank0, rank1 = ranks.jobs
+    try:
+        try:
+            rank0.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"rank 0 was left waiting:\n{(tmp_path / 'job-rank0.log').read_text()[-3000:]}")
+        took = time.monotonic() - started
+        said0 = rank0.communicate()[0]
+        deadline = time.monotonic() + 30
+        while "ERROR " not in (tmp_path / "job-rank1.log").read_text() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        said1 = (tmp_path / "job-rank1.log").read_text()
+        alive = rank1.poll() is None
+    finally:
+        ranks.kill()
+    assert rank0.returncode == 1, said0[-3000:]
+    assert "ERROR RankFailedError: rank 1 of 2 failed in the checkpoint save at step 4" in said0, said0[-3000:]
+    assert "ValueError: injected on rank 1 in the checkpoint save at step 4" in said0
+    assert "ERROR ValueError: injected on rank 1 in the checkpoint save at step 4" in said1, said1[-3000:]
+    assert alive, said1[-3000:]
+    assert took < 30, f"{took:.1f} s"
+    published = [p.name for p in (tmp_path / "local").glob("checkpoint-*")]
+    assert published == ["checkpoint-2"], published  # the failed save is never published
+
+
+def _rewrite_manifest(folder: Path, keep_record: bool) -> None:
+    """A manifest over what the folder holds now, as a writer that did not check would leave it."""
+    old = read_manifest(folder)
+    write_manifest(folder, Manifest(step=old.step, files=hash_folder(folder), fingerprint=old.fingerprint,
+                                    shards=old.shards if keep_record else {}))
+
+
+@pytest.mark.parametrize("lost", ["shards/__1_0.distcp", "shards/.metadata"])
+def test_a_checkpoint_missing_a_shard_or_its_metadata_is_never_used(tmp_path, reference, lost):
+    """checkpoint-8 loses one rank's shard or the .metadata, and a manifest is written over what is left.
+    It is INVALID (never resumed from, counted or called in the cloud): status and a resume take
+    checkpoint-6; and the kit never snapshots such a folder for upload."""
+    shutil.copytree(reference / "drive", tmp_path / "drive")
+    eight = tmp_path / "drive" / "checkpoints" / "checkpoint-8"
+    assert validity.check(eight).valid
+    (eight / lost).unlink()
+    with pytest.raises(IncompleteShards):
+        take_snapshot(eight, tmp_path / "snapshots", 8)
+    _rewrite_manifest(eight, keep_record=lost != "shards/.metadata")
+    verdict = validity.check(eight)
+    assert verdict.state == validity.INVALID, verdict
+    assert ("__1_0.distcp" in verdict.reason) if "distcp" in lost else (".metadata" in verdict.reason)
+    status = subprocess.run([sys.executable, "-m", "colab_kit", "status", str(tmp_path / "drive")],
+                            capture_output=True, text=True, timeout=120)
+    assert "resume would use: checkpoint-6" in status.stdout, status.stdout
+    said = run_to_end(tmp_path, 1, "--dump-restored", tmp_path / "restored.safetensors", name="one")
+    assert "RESUMED 6 extra={'seen': 6}" in said, said[-2000:]
+
+
+def test_the_trainers_fsdp_folders_are_mirrored_verified_and_resumed(tmp_path, drive, local):
+    """A checkpoint in the layout of the Trainer's FSDP2 save (pytorch_model_fsdp_0/ and optimizer_0/ with
+    their .metadata dotfiles, rng_state_<rank>.pth per rank), written by 2 processes: the kit's on_save
+    mirrors it whole and records what each DCP folder needs; a fresh runtime resumes from it. The same
+    checkpoint without optimizer_0/.metadata is not uploaded."""
+    out = tmp_path / "trainer-out"
+    run_to_end(tmp_path, 2, "--trainer-layout", out, name="layout")
+    folder = out / "checkpoint-2"
+    args = types.SimpleNamespace(output_dir=str(out), world_size=2, process_index=0, save_only_model=False)
+    state = TrainerState(global_step=2, max_steps=8)
+    state.is_world_process_zero = True
+
+    incomplete = tmp_path / "incomplete"
+    shutil.copytree(folder, incomplete / "checkpoint-2")
+    (incomplete / "checkpoint-2" / "optimizer_0" / ".metadata").unlink()
+    run = ck.start_run("fsdp", drive=drive, local_dir=local, quiet=True, gauges=False)
+    DriveSyncCallback(run).on_save(types.SimpleNamespace(**{**vars(args), "output_dir": str(incomplete)}), state,
+                                   TrainerControl())
+    DriveSyncCallback(run).on_save(args, state, TrainerControl())
+    run.finish()
+    events = (drive / "fsdp" / "events.jsonl").read_text()
+    assert '"what": "shards_missing"' in events and "optimizer_0/.metadata is missing" in events
+
+    copy = drive / "fsdp" / "checkpoints" / "checkpoint-2"
+    manifest = read_manifest(copy)
+    assert {"pytorch_model_fsdp_0/.metadata", "optimizer_0/.metadata", "rng_state_0.pth",
+            "rng_state_1.pth"} <= set(manifest.files)
+    assert manifest.shards == {"optimizer_0": ["__0_0.distcp", "__1_0.distcp"],
+                               "pytorch_model_fsdp_0": ["__0_0.distcp", "__1_0.distcp"]}
+    assert validity.check(copy).valid
+
+    again = ck.start_run("fsdp", drive=drive, local_dir=tmp_path / "new-runtime", quiet=True, gauges=False)
+    try:
+        assert again.resume_from is not None and again.resume_from.name == "checkpoint-2"
+        for name in manifest.files:
+            assert (again.resume_from / name).read_bytes() == (folder / name).read_bytes(), name
+    finally:
+        again.finish()
+
+
+def test_a_store_over_several_machines_is_refused_on_every_rank(tmp_path, monkeypatch):
+    """Two machines of one process each (LOCAL_WORLD_SIZE 1 of WORLD_SIZE 2, as torchrun --nnodes 2 sets):
+    each would write its share to its own disk, so every rank refuses at once, before any collective."""
+    for rank in (0, 1):
+        for key, value in {"RANK": rank, "LOCAL_RANK": 0, "WORLD_SIZE": 2, "LOCAL_WORLD_SIZE": 1}.items():
+            monkeypatch.setenv(key, str(value))
+        with pytest.raises(ColabKitError, match="2 processes on 2 nodes.*Train on one machine"):
+            ck.CheckpointStore(tmp_path / "drive", local_dir=tmp_path / "local")
