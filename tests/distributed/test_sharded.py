@@ -5,6 +5,7 @@ Trainer's FSDP layout mirrored and resumed.
 """
 
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -19,6 +20,8 @@ from transformers import TrainerControl, TrainerState
 import colab_kit as ck
 import warm
 from colab_kit.checkpoints import validity
+from colab_kit.checkpoints.checkpoint import list_checkpoints
+from colab_kit.checkpoints.journal import read_events
 from colab_kit.checkpoints.manifest import Manifest, hash_folder, read_manifest, write_manifest
 from colab_kit.checkpoints.shards import IncompleteShards
 from colab_kit.checkpoints.snapshot import take_snapshot
@@ -51,9 +54,11 @@ def run_to_end(where: Path, world: int, *options, name: str = "job") -> str:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
     """An uninterrupted 2-process run of 8 steps, saving every 2 (in the background): its folder and its
-    final weights and optimizer state (whole tensors) in final.safetensors."""
+    final weights and optimizer state (whole tensors) in final.safetensors; final16.safetensors for 16 steps."""
     where = tmp_path_factory.mktemp("reference")
     run_to_end(where, 2, "--out", where / "final.safetensors")
+    (where / "16").mkdir()
+    run_to_end(where / "16", 2, "--steps", 16, "--out", where / "final16.safetensors")
     return where
 
 
@@ -72,6 +77,70 @@ def test_a_sharded_run_killed_anywhere_resumes_to_the_uninterrupted_weights(tmp_
     assert resumed_at % 2 == 0 and resumed_at <= int(die.split(":")[0]), said[-2000:]
     final = harness.load_weights(tmp_path / "final.safetensors")
     assert harness.max_abs_diff(final, harness.load_weights(reference / "final.safetensors")) <= 1e-6
+
+
+RATE = 150e3  # bytes/s of the emulated Drive: ~1.3 s per checkpoint (~190 kB) while training makes one every 0.5 s
+
+
+@pytest.mark.slow(90)
+def test_a_sharded_run_on_drivefs_with_an_upload_backlog_killed_at_random_moments(tmp_path, emulated_drive,
+                                                                                   reference):
+    """`start_run` + `run.checkpoint_store()` on both ranks, the run folder on the DriveFS emulator, uploads
+    falling behind. Both ranks and the emulator are killed together (the VM dies with its pending uploads) at
+    random moments: mid-step, mid async save, mid upload; each restart is a new VM. At every kill: once a
+    checkpoint was complete in the cloud, one always verifies there; every `cloud` claim is true; the
+    restart resumes from the newest checkpoint valid in the cloud. At the end: the uninterrupted weights."""
+    drive = emulated_drive(rate=RATE)
+    rng = random.Random(31)
+    cloud = drive.cloud / "sharded" / "checkpoints"
+    reported: set[int] = set()
+    complete_once, kills, expect, resumes = False, 0, None, []
+    for cycle in range(8):
+        where = tmp_path / f"vm-{cycle}"
+        where.mkdir()
+        argv = ["--open-run", "sharded", "--drive-dir", drive.mountpoint, "--local-dir", where / "local",
+                "--steps", 16, "--step-sleep", 0.25, "--look-spacing", 0.2]
+        job = warm.start_ranks([str(a) for a in argv], world=2, env=ENV, cwd=where, out_prefix=where / "job",
+                               script="sharded_job")
+        journal = where / "local" / "events.jsonl"  # the run's copy on the VM's disk: every event, uploaded or not
+        deadline = time.monotonic() + 60
+        while job.poll() is None and time.monotonic() < deadline and not any(
+                e["event"] == "save" for e in (read_events(journal) if journal.exists() else [])):
+            time.sleep(0.05)
+        time.sleep(rng.uniform(0.0, 3.0))
+        killed = job.poll() is None
+        job.kill()
+        drive.kill()
+        said = job.communicate(timeout=60)[0]
+        if "RESUMED " in said and expect is not None:
+            resumed = int(said.split("RESUMED ")[1].split()[0])
+            assert resumed == expect, f"cycle {cycle}: resumed from {resumed}, the cloud held {expect}"
+            resumes.append(resumed)
+        for event in read_events(journal) if journal.exists() else []:
+            if event["event"] == "cloud" and "step" in event:
+                reported.add(event["step"])
+            elif event["event"] == "prune":
+                reported -= set(event["steps"])
+        valid = {step for step, path in list_checkpoints(cloud) if validity.check(path).valid} if cloud.exists() \
+            else set()
+        complete_once |= bool(valid)
+        if complete_once:
+            assert valid, f"cycle {cycle}: no checkpoint in the cloud verifies, after one did"
+        assert reported <= valid, f"cycle {cycle}: reported in the cloud {sorted(reported)}, valid {sorted(valid)}"
+        expect = max(valid, default=0)
+        kills += killed
+        drive.new_vm()
+        if kills >= 4 and complete_once:
+            break
+    assert kills >= 4 and complete_once, (kills, complete_once)
+    print(f"{kills} kills; resumed from {resumes}; reported in the cloud at the end: {sorted(reported)}")
+    where = tmp_path / "vm-last"
+    where.mkdir()
+    said = run_to_end(where, 2, "--open-run", "sharded", "--drive-dir", drive.mountpoint, "--local-dir",
+                      where / "local", "--steps", 16, "--look-spacing", 0.2, "--out", where / "final.safetensors")
+    assert f"RESUMED {expect} " in said, said[-2000:]
+    final = harness.load_weights(where / "final.safetensors")
+    assert harness.max_abs_diff(final, harness.load_weights(reference / "final16.safetensors")) <= 1e-6
 
 
 def test_a_checkpoint_of_two_processes_resumes_on_one_and_back(tmp_path, reference):

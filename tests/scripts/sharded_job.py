@@ -14,7 +14,10 @@ optimizer step, "save" right after `save` returned (the shards still being writt
 checkpoint is queued for upload. --fail R:WHERE:STEP makes rank R raise a ValueError in the save of
 STEP: "files" while writing its own files, "shards" inside DCP's write; --linger S keeps that rank alive
 S seconds after its error, as a notebook kernel stays. --dump-restored writes the restored model and
-optimizer (whole tensors) and exits; --out writes them at the end.
+optimizer (whole tensors) and exits; --out writes them at the end. --open-run NAME opens the run with
+`ck.start_run(NAME, drive=D, local_dir=L)` on every rank and takes the store from `run.checkpoint_store()`;
+--step-sleep S makes each step last S seconds longer (uploads fall behind); --look-spacing S spaces the
+kit's looks at a missing file S seconds apart (as tiny_job.py does on the emulator).
 
 --trainer-layout DIR trains 2 steps and writes DIR/checkpoint-2 as the HF Trainer does with FSDP2 through
 accelerate (which runs FSDP only on GPUs): `pytorch_model_fsdp_0/` and `optimizer_0/` written by DCP, one
@@ -146,7 +149,13 @@ def train(args, rank: int, world: int):
         return
     if args.fail is not None and args.fail[0] == rank:
         inject(args.fail[1], args.fail[2], rank, current)
-    store = ck.CheckpointStore(args.drive_dir, keep=2, local_dir=args.local_dir, async_save=not args.sync)
+    run = None
+    if args.open_run:  # the notebook's way: every rank opens the run, and takes the store from it
+        run = ck.start_run(args.open_run, drive=args.drive_dir, local_dir=args.local_dir, keep=2, save_every=None,
+                           quiet=True, gauges=False)
+        store = run.checkpoint_store(async_save=not args.sync)
+    else:
+        store = ck.CheckpointStore(args.drive_dir, keep=2, local_dir=args.local_dir, async_save=not args.sync)
     start = store.restore_latest(model=model, optimizer=optimizer) or 0
     print(f"RESUMED {start} extra={store.extra}", flush=True)
     if args.dump_restored:
@@ -159,6 +168,7 @@ def train(args, rank: int, world: int):
         F.cross_entropy(model(x), y).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        time.sleep(args.step_sleep)
         if args.die == (step, "step"):
             os._exit(9)
         if step % args.every == 0:
@@ -169,6 +179,8 @@ def train(args, rank: int, world: int):
                 store._finish_pending()  # published and queued: the upload is under way
                 os._exit(9)
     store.close()
+    if run is not None:
+        run.finish()
     if args.out:
         dump(model, optimizer, args.out, rank)
 
@@ -186,7 +198,16 @@ def main() -> None:
     parser.add_argument("--dump-restored")
     parser.add_argument("--out")
     parser.add_argument("--trainer-layout")
+    parser.add_argument("--open-run")
+    parser.add_argument("--step-sleep", type=float, default=0.0)
+    parser.add_argument("--look-spacing", type=float, default=None,
+                        help="the first wait between looks (the kit's: 1 s), as in tiny_job.py")
     args = parser.parse_args()
+    if args.look_spacing is not None:
+        from colab_kit.checkpoints import looks, search
+
+        step = args.look_spacing
+        looks.WAITS, search.RETRY_WAITS = (step, 2 * step, 3 * step), (step, 2 * step, 4 * step, 4 * step)
     world = int(os.environ.get("WORLD_SIZE", 1))
     rank = int(os.environ.get("RANK", 0))
     if world > 1:
