@@ -20,8 +20,8 @@ from pathlib import Path
 
 from ..errors import CheckpointError
 
-__all__ = ["MODEL_FILE", "EXTRA_FILE", "STATE_FILES", "rng_file", "write_rank_files", "load_state_files",
-           "load_rng", "save_fsynced"]
+__all__ = ["MODEL_FILE", "EXTRA_FILE", "STATE_FILES", "rng_file", "staging_name", "remove_abandoned_staging",
+           "write_rank_files", "load_state_files", "load_rng", "save_fsynced"]
 
 MODEL_FILE = "model.safetensors"
 EXTRA_FILE = "extra.pt"
@@ -30,6 +30,43 @@ STATE_FILES = {"optimizer": "optimizer.pt", "scheduler": "scheduler.pt", "scaler
 
 def rng_file(rank: int, world: int) -> str:
     return "rng_state.pt" if world == 1 else f"rng_state_{rank}.pt"
+
+
+_STAGING = ".staging-"
+
+
+def staging_name(step: int, token: str) -> str:
+    """The folder a checkpoint is written in before it is renamed into place; it names the writing process."""
+    return f"{_STAGING}{int(step)}-{os.getpid()}-{token}"
+
+
+def remove_abandoned_staging(local_dir: Path) -> list[str]:
+    """Delete the staging folders of processes that are gone (a save killed halfway: up to a checkpoint's
+    size each, on a local disk that fills up); returns their names. Local scratch only, never a checkpoint."""
+    import shutil
+
+    removed = []
+    try:
+        entries = list(os.scandir(local_dir))
+    except OSError:
+        return removed
+    for entry in entries:
+        parts = entry.name[len(_STAGING):].split("-") if entry.name.startswith(_STAGING) else []
+        if len(parts) != 3 or not parts[1].isdigit() or _alive(int(parts[1])):
+            continue
+        shutil.rmtree(entry.path, ignore_errors=True)
+        removed.append(entry.name)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # it exists but is not ours to signal
+        return True
+    return True
 
 
 def _rng_state() -> dict:

@@ -115,6 +115,7 @@ class CheckpointStore:
                 _mirror = Mirror(self.dir, keep=self.keep, journal=self._journal, notices=self._notices,
                                  kind=folder_kind(self.dir))
             self._mirror = _mirror
+            statefiles.remove_abandoned_staging(self.local_dir)
         # What is already in the folder is adopted (and may be pruned) only after restore_latest has
         # looked at it, or at the first save: a damaged checkpoint is named to the user, not just deleted.
         self._adopted = not self._owns_mirror
@@ -141,7 +142,7 @@ class CheckpointStore:
         self._finish_pending()
         step = int(step)
         is_sharded = model is not None and sharded.is_sharded(model)
-        staging = self.local_dir / f".staging-{step}-{ranks.broadcast_object(uuid.uuid4().hex[:8])}"
+        staging = self.local_dir / ranks.broadcast_object(statefiles.staging_name(step, uuid.uuid4().hex[:8]))
         background = is_sharded and self.async_save
         try:
             self._agreed(lambda: self._write_rank_files(step, staging, is_sharded, model, optimizer, scheduler,

@@ -1,7 +1,10 @@
 """CheckpointStore for plain PyTorch loops."""
 
+import os
 import random
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -123,3 +126,21 @@ def test_run_checkpoint_store_shares_the_run_folder(drive, local):
     assert verify_folder(drive / "plain" / "checkpoints" / "checkpoint-3") is None
     kinds = [e["event"] for e in read_events(drive / "plain" / "events.jsonl")]
     assert kinds[:1] == ["start"] and "save" in kinds and "sync" in kinds and kinds[-1] == "finish"
+
+
+def test_a_save_killed_halfway_leaves_no_staging_behind_at_the_next_start(drive, local, monkeypatch):
+    """A process killed inside `save` leaves its half-written staging folder on the local disk; the next store
+    on that folder removes it. A staging folder of a live process (this one's) is left alone."""
+    from colab_kit.run.statefiles import staging_name
+
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    with monkeypatch.context() as m:
+        m.setattr(os, "getpid", lambda: int(ended.stdout))
+        abandoned = local / staging_name(4, "deadbeef")
+    (abandoned / "shards").mkdir(parents=True)
+    (abandoned / "shards" / "__0_0.distcp").write_bytes(b"x" * 1000)
+    live = local / staging_name(6, "cafecafe")
+    live.mkdir()
+    with ck.CheckpointStore(drive, local_dir=local):
+        pass
+    assert not abandoned.exists() and live.exists()
