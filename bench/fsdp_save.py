@@ -11,9 +11,10 @@ rank 0 (every rank waits for the slowest at the save's agreements), median over 
 first save of each mode is left out (it starts the background thread and process group). Modes are
 interleaved (ddp, sync, async, ddp, ...), one save each in turn.
 
-Host RAM of an async save: rank 0's peak resident memory (psutil RSS, sampled every millisecond) while
-one async save is in flight, above its RSS just before, against the bytes of the rank's shards (what DCP
-copies to host memory to write them).
+Host RAM of an async save: the bytes of the state dict DCP's stager copies to host memory (counted on
+the copy it returns), against the rank's shards of model and optimizer; and rank 0's resident memory
+(psutil RSS, sampled every millisecond) at its peak while the save is in flight and after it, above its
+RSS just before.
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ def ranks_main(args) -> None:
         modes[name] = {"wrapped": wrapped, "model": model, "opt": optimizer, "store": store, "pauses": [], "step": 0}
     generator = torch.Generator().manual_seed(rank)
     process = psutil.Process()
+    staged = staged_bytes()
     for mode in modes.values():  # one step first: AdamW makes its state at its first step
         train(mode, 1, args.width, generator)
     grew, held = async_ram(modes["async"], process)  # before any other staging copy the allocator could reuse
@@ -84,7 +86,7 @@ def ranks_main(args) -> None:
     for mode in modes.values():
         mode["store"].close()
     if rank == 0:
-        report(args, modes, shard_bytes, grew, held)
+        report(args, modes, shard_bytes, grew, held, staged[0])
     dist.barrier()
     dist.destroy_process_group()
 
@@ -100,6 +102,35 @@ def train(mode: dict, steps: int, width: int, generator) -> None:
         mode["opt"].step()
         mode["opt"].zero_grad(set_to_none=True)
         mode["step"] += 1
+
+
+def staged_bytes() -> list[int]:
+    """Count the bytes of every state dict DCP's stager copies for an async save (appended to the list)."""
+    from torch.distributed.checkpoint import staging
+
+    counted: list[int] = []
+    real = staging.DefaultStager._stage
+
+    def stage(self, state_dict, **kwargs):
+        staged = real(self, state_dict, **kwargs)
+        counted.append(tensor_bytes(staged))
+        return staged
+
+    staging.DefaultStager._stage = stage
+    return counted
+
+
+def tensor_bytes(obj) -> int:
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        local = obj.to_local() if hasattr(obj, "to_local") else obj
+        return local.numel() * local.element_size()
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(v) for v in obj)
+    return 0
 
 
 def async_ram(mode: dict, process) -> tuple[int, int]:
@@ -128,7 +159,7 @@ def async_ram(mode: dict, process) -> tuple[int, int]:
     return peak - before, process.memory_info().rss - before
 
 
-def report(args, modes: dict, shard_bytes: int, grew: int, held: int) -> None:
+def report(args, modes: dict, shard_bytes: int, grew: int, held: int, staged: int) -> None:
     params = sum(p.numel() for p in modes["sync"]["model"].parameters())
     print(f"MLP of {params / 1e6:.1f} M parameters (AdamW: {params * 16 / 2**20:.0f} MiB of model and optimizer "
           f"state), 2 gloo processes, {args.saves} saves per mode, {args.steps_between} steps between saves")
@@ -140,9 +171,10 @@ def report(args, modes: dict, shard_bytes: int, grew: int, held: int) -> None:
         print(f"{label:<28} {medians[name] * 1e3:>10.1f} ms {min(pauses) * 1e3:>5.1f} ms {max(pauses) * 1e3:>5.1f} ms")
     print(f"pause ratio async/sync: {medians['async'] / medians['sync']:.2f}; async/ddp: "
           f"{medians['async'] / medians['ddp']:.2f}; sync/ddp: {medians['sync'] / medians['ddp']:.2f}")
-    print(f"host RAM of an async save on rank 0: peak RSS +{grew / 2**20:.1f} MiB while it is in flight, "
-          f"+{held / 2**20:.1f} MiB still held after it ended; the rank's shards of model and optimizer are "
-          f"{shard_bytes / 2**20:.1f} MiB")
+    print(f"host RAM of an async save on rank 0: DCP's staged copy holds {staged / 2**20:.1f} MiB (the rank's "
+          f"shards of model and optimizer: {shard_bytes / 2**20:.1f} MiB) until the write ends; RSS rose "
+          f"{grew / 2**20:.1f} MiB at its peak (the allocator reuses memory the loop freed), "
+          f"{held / 2**20:.1f} MiB after")
 
 
 def main() -> None:

@@ -2,6 +2,8 @@
 
     python bench/gpu_fsdp.py            # needs 2 CUDA devices; a few minutes; prints JSON
     python bench/gpu_fsdp.py --steps 40 --kill-at 25
+    python bench/gpu_fsdp.py --cpu-smoke  # the same launch, kill, resume and report on 2 CPU processes (DDP:
+                                          # accelerate will not run FSDP on a CPU), with a tiny BERT
 
 accelerate runs FSDP only on GPUs, so the CPU suite tests the kit's side of it (the mirror, manifest,
 validity and resume of `pytorch_model_fsdp_0/`, `optimizer_0/` and `rng_state_<rank>.pth`) on
@@ -41,18 +43,26 @@ def rank_main(args) -> None:
     run = ck.start_run("fsdp-bench", drive=args.drive, local_dir=args.scratch, save_every=args.save_every, keep=2,
                        quiet=True, gauges=False)
     torch.manual_seed(0)
-    model = BertForSequenceClassification(BertConfig(num_labels=2))
+    if args.cpu_smoke:
+        from colab_kit.tasks.demo import tiny_bert_config
+
+        config, length = tiny_bert_config(dropout=0.0, vocab_size=30522), 32
+        sharding = {"use_cpu": True}
+    else:
+        config, length = BertConfig(num_labels=2), 128
+        precision = {"bf16": True} if torch.cuda.is_bf16_supported() else {"fp16": True}
+        sharding = {**precision, "fsdp": "full_shard auto_wrap",
+                    "fsdp_config": {"fsdp_version": 2, "state_dict_type": "SHARDED_STATE_DICT",
+                                    "reshard_after_forward": True, "transformer_layer_cls_to_wrap": ["BertLayer"]}}
+    model = BertForSequenceClassification(config)
     rng = np.random.default_rng(0)
     rows = args.steps * 8 * 2
-    data = Dataset.from_dict({"input_ids": rng.integers(1000, 30000, (rows, 128)).tolist(),
+    data = Dataset.from_dict({"input_ids": rng.integers(1000, 30000, (rows, length)).tolist(),
                               "labels": rng.integers(0, 2, rows).tolist()})
     training = TrainingArguments(
-        str(run.local_dir), max_steps=args.steps, per_device_train_batch_size=8, learning_rate=2e-5,
-        bf16=torch.cuda.is_bf16_supported(), fp16=not torch.cuda.is_bf16_supported(), report_to=[],
+        str(run.local_dir), max_steps=args.steps, per_device_train_batch_size=8, learning_rate=2e-5, report_to=[],
         logging_steps=1000, disable_tqdm=True, seed=0, data_seed=0, save_strategy="steps",
-        save_steps=args.save_every, fsdp="full_shard auto_wrap",
-        fsdp_config={"fsdp_version": 2, "state_dict_type": "SHARDED_STATE_DICT", "reshard_after_forward": True,
-                     "transformer_layer_cls_to_wrap": ["BertLayer"]})
+        save_steps=args.save_every, **sharding)
 
     class Kill(TrainerCallback):
         def on_step_end(self, args_, state, control, **kwargs):
@@ -66,14 +76,14 @@ def rank_main(args) -> None:
         from safetensors.torch import save_file
 
         save_file({k: v.float().cpu().contiguous() for k, v in full.items()}, args.out)
-    run.finish()
 
 
 def launch(args, drive: Path, local: Path, out: Path, kill_at: int) -> int:
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", __file__, "--rank-main",
                "--drive", str(drive), "--scratch", str(local), "--out", str(out), "--steps", str(args.steps),
-               "--save-every", str(args.save_every), "--kill-at", str(kill_at)]
-    return subprocess.run(command).returncode
+               "--save-every", str(args.save_every), "--kill-at", str(kill_at)] + (["--cpu-smoke"] * args.cpu_smoke)
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    return subprocess.run(command, env=env, stdout=sys.stderr).returncode  # stdout is the report's
 
 
 def main() -> int:
@@ -82,6 +92,7 @@ def main() -> int:
     parser.add_argument("--save-every", type=int, default=10)
     parser.add_argument("--kill-at", type=int, default=15)
     parser.add_argument("--rank-main", action="store_true")
+    parser.add_argument("--cpu-smoke", action="store_true")
     parser.add_argument("--drive")
     parser.add_argument("--scratch")
     parser.add_argument("--out")
@@ -91,7 +102,9 @@ def main() -> int:
         return 0
     import torch
 
-    if torch.cuda.device_count() < 2:
+    if args.cpu_smoke:
+        args.steps, args.save_every, args.kill_at = 12, 4, 7
+    elif torch.cuda.device_count() < 2:
         print(json.dumps({"skipped": f"needs 2 CUDA devices, found {torch.cuda.device_count()}"}))
         return 0
     from safetensors.torch import load_file
@@ -100,14 +113,16 @@ def main() -> int:
     from colab_kit.checkpoints.journal import read_events
 
     root = Path(tempfile.mkdtemp(prefix="gpu-fsdp-"))
-    report: dict = {"gpus": [torch.cuda.get_device_name(i) for i in range(2)]}
+    report: dict = {"mode": "cpu-smoke (DDP)" if args.cpu_smoke else "gpu (FSDP2)", "folder": str(root),
+                    "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]}
     report["reference_rc"] = launch(args, root / "ref-drive", root / "ref-local", root / "reference.safetensors", 0)
     report["killed_rc"] = launch(args, root / "drive", root / "local-1", root / "unused.safetensors", args.kill_at)
     report["resumed_rc"] = launch(args, root / "drive", root / "local-2", root / "resumed.safetensors", 0)
     events = read_events(root / "drive" / "fsdp-bench" / "events.jsonl")
     report["resumed_from"] = [e.get("step") for e in events if e["event"] == "resume"]
     report["save_pause_s"] = [e.get("snapshot_s") for e in events if e["event"] == "save"]
-    checkpoints = sorted((root / "drive" / "fsdp-bench" / "checkpoints").glob("checkpoint-*"))
+    checkpoints = sorted((root / "drive" / "fsdp-bench" / "checkpoints").glob("checkpoint-*"),
+                         key=lambda path: int(path.name.split("-")[1]))
     if checkpoints:
         newest = checkpoints[-1]
         verdict = validity.check(newest)
