@@ -25,7 +25,6 @@ from colab_kit.checkpoints.journal import read_events
 from colab_kit.checkpoints.manifest import Manifest, hash_folder, read_manifest, write_manifest
 from colab_kit.checkpoints.shards import IncompleteShards
 from colab_kit.checkpoints.snapshot import take_snapshot
-from colab_kit.errors import ColabKitError
 from colab_kit.run.callbacks import DriveSyncCallback
 
 pytestmark = pytest.mark.slow
@@ -224,7 +223,8 @@ def test_the_trainers_fsdp_folders_are_mirrored_verified_and_resumed(tmp_path, d
     """A checkpoint in the layout of the Trainer's FSDP2 save (pytorch_model_fsdp_0/ and optimizer_0/ with
     their .metadata dotfiles, rng_state_<rank>.pth per rank), written by 2 processes: the kit's on_save
     mirrors it whole and records what each DCP folder needs; a fresh runtime resumes from it. The same
-    checkpoint without optimizer_0/.metadata is not uploaded."""
+    checkpoint without optimizer_0/.metadata, or without rank 1's model shard (where it would be on two
+    machines: on the other machine's disk), is not uploaded, and the message says why."""
     out = tmp_path / "trainer-out"
     run_to_end(tmp_path, 2, "--trainer-layout", out, name="layout")
     folder = out / "checkpoint-2"
@@ -232,16 +232,19 @@ def test_the_trainers_fsdp_folders_are_mirrored_verified_and_resumed(tmp_path, d
     state = TrainerState(global_step=2, max_steps=8)
     state.is_world_process_zero = True
 
-    incomplete = tmp_path / "incomplete"
-    shutil.copytree(folder, incomplete / "checkpoint-2")
-    (incomplete / "checkpoint-2" / "optimizer_0" / ".metadata").unlink()
     run = ck.start_run("fsdp", drive=drive, local_dir=local, quiet=True, gauges=False)
-    DriveSyncCallback(run).on_save(types.SimpleNamespace(**{**vars(args), "output_dir": str(incomplete)}), state,
-                                   TrainerControl())
+    for lost in ("optimizer_0/.metadata", "pytorch_model_fsdp_0/__1_0.distcp"):
+        incomplete = tmp_path / lost.replace("/", "-")
+        shutil.copytree(folder, incomplete / "checkpoint-2")
+        (incomplete / "checkpoint-2" / lost).unlink()
+        DriveSyncCallback(run).on_save(types.SimpleNamespace(**{**vars(args), "output_dir": str(incomplete)}),
+                                       state, TrainerControl())
+    assert not (drive / "fsdp" / "checkpoints" / "checkpoint-2").exists()
     DriveSyncCallback(run).on_save(args, state, TrainerControl())
     run.finish()
-    events = (drive / "fsdp" / "events.jsonl").read_text()
-    assert '"what": "shards_missing"' in events and "optimizer_0/.metadata is missing" in events
+    warned = [e["reason"] for e in read_events(drive / "fsdp" / "events.jsonl") if e.get("what") == "shards_missing"]
+    assert len(warned) == 2 and "optimizer_0/.metadata is missing" in warned[0], warned
+    assert "lacks __1_0.distcp" in warned[1] and "On several machines each machine's ranks write" in warned[1]
 
     copy = drive / "fsdp" / "checkpoints" / "checkpoint-2"
     manifest = read_manifest(copy)
@@ -260,11 +263,17 @@ def test_the_trainers_fsdp_folders_are_mirrored_verified_and_resumed(tmp_path, d
         again.finish()
 
 
-def test_a_store_over_several_machines_is_refused_on_every_rank(tmp_path, monkeypatch):
-    """Two machines of one process each (LOCAL_WORLD_SIZE 1 of WORLD_SIZE 2, as torchrun --nnodes 2 sets):
-    each would write its share to its own disk, so every rank refuses at once, before any collective."""
+def test_two_machines_are_refused_on_every_rank_within_seconds(tmp_path):
+    """Two "machines" of one process each (torchrun --nnodes 2 sets LOCAL_WORLD_SIZE 1), each with its own
+    local folder: both ranks raise the same ColabKitError when they create the store, and neither waits."""
+    started = time.monotonic()
+    ranks = warm.start_ranks(lambda rank: ["--drive-dir", str(tmp_path / "drive"), "--local-dir",
+                                           str(tmp_path / f"node{rank}")],
+                             world=2, env=ENV, cwd=tmp_path, out_prefix=tmp_path / "nodes", script="sharded_job",
+                             per_node=1)
+    assert ranks.wait(timeout=60) == 1
     for rank in (0, 1):
-        for key, value in {"RANK": rank, "LOCAL_RANK": 0, "WORLD_SIZE": 2, "LOCAL_WORLD_SIZE": 1}.items():
-            monkeypatch.setenv(key, str(value))
-        with pytest.raises(ColabKitError, match="2 processes on 2 nodes.*Train on one machine"):
-            ck.CheckpointStore(tmp_path / "drive", local_dir=tmp_path / "local")
+        said = (tmp_path / f"nodes-rank{rank}.log").read_text()
+        assert "ERROR ColabKitError: CheckpointStore under 2 processes on 2 nodes" in said, said[-2000:]
+    assert time.monotonic() - started < 30
+
