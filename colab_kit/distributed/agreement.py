@@ -53,8 +53,9 @@ def agree_micro_batch(micro: int, oom: bool, error: BaseException | None = None,
     return int(-flags[0]), [r for r in range(world) if flags[1 + r]]
 
 
-def agree_outcome(error: BaseException | None, where: str, *, step: int | None = None) -> None:
-    """Every rank learns whether any rank failed at this point; if one did, every rank raises.
+def agree_outcome(error: BaseException | None, where: str, *, step: int | None = None, pg=None) -> None:
+    """Every rank learns whether any rank failed at this point; if one did, every rank raises. `pg`: a process
+    group over every rank to agree on instead of the default one.
 
     Raises:
         `error` on its own rank, RankFailedError on the others.
@@ -64,9 +65,9 @@ def agree_outcome(error: BaseException | None, where: str, *, step: int | None =
         if error is not None:
             raise error
         return
-    failed = all_agree(error is None)  # the ranks that failed, known to every rank
+    failed = all_agree(error is None, pg)  # the ranks that failed, known to every rank
     if failed:
-        _raise_everywhere(dist, failed, error, where, step)
+        _raise_everywhere(dist, failed, error, where, step, pg)
 
 
 def _describe(error: BaseException) -> str:
@@ -74,11 +75,11 @@ def _describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
-def _raise_everywhere(dist, failed: list[int], error: BaseException | None, where: str, step: int | None):
+def _raise_everywhere(dist, failed: list[int], error: BaseException | None, where: str, step: int | None, pg=None):
     """Every rank learns what failed where (one all-gather of short texts), then raises."""
     world, me = dist.get_world_size(), dist.get_rank()
     told: list = [None] * world  # (where, what) from each failing rank: its own view of the step
-    dist.all_gather_object(told, (where, _describe(error)) if error is not None else None)
+    dist.all_gather_object(told, (where, _describe(error)) if error is not None else None, group=pg)
     at = f" at step {step}" if step is not None else ""
     others = [r for r in failed if r != me]
     if error is not None:

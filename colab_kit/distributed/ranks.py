@@ -20,7 +20,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Ranks", "detect", "group", "place", "barrier", "from_writer", "broadcast_object", "all_agree", "sum_over_ranks",
+__all__ = ["Ranks", "detect", "group", "place", "side_group", "barrier",
+           "from_writer", "broadcast_object", "all_agree", "sum_over_ranks",
            "gather_rank_files", "rank_files_missing"]
 
 
@@ -95,10 +96,10 @@ def group():
     return dist
 
 
-def _device(dist):
+def _device(dist, pg=None):
     import torch
 
-    if dist.get_backend() == "nccl":
+    if dist.get_backend(pg) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
@@ -115,26 +116,39 @@ def barrier() -> None:
         dist.barrier()
 
 
-def from_writer(value: bool) -> bool:
-    """Rank 0's `value` on every rank (one small broadcast): a decision only rank 0 can make."""
+def from_writer(value: bool, pg=None) -> bool:
+    """Rank 0's `value` on every rank (one small broadcast): a decision only rank 0 can make. `pg`: a process
+    group over every rank (`side_group`) instead of the default one."""
     dist = group()
     if dist is None:
         return value
     import torch
 
-    flag = torch.tensor([int(bool(value))], device=_device(dist))
-    dist.broadcast(flag, src=0)
+    flag = torch.tensor([int(bool(value))], device=_device(dist, pg))
+    dist.broadcast(flag, src=0, group=pg)
     return bool(flag.item())
 
 
-def broadcast_object(obj):
+def broadcast_object(obj, pg=None):
     """Rank 0's `obj` (picklable) on every rank."""
     dist = group()
     if dist is None:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=pg)
     return box[0]
+
+
+def side_group(minutes: float):
+    """A gloo process group over every rank, beside the default one (collective: every rank calls it); None
+    without torch.distributed. For collectives that must not queue behind the training loop's, or that may
+    wait longer than the default group's timeout (10 minutes on NCCL) while rank 0 reads or writes Drive."""
+    import datetime
+
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return None
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=minutes))
 
 
 def sum_over_ranks(values: list[float]) -> list[float]:
@@ -149,16 +163,16 @@ def sum_over_ranks(values: list[float]) -> list[float]:
     return summed.tolist()
 
 
-def all_agree(ok: bool) -> list[int]:
+def all_agree(ok: bool, pg=None) -> list[int]:
     """The ranks for which `ok` is False (every rank learns them); [] when all are fine."""
     dist = group()
     if dist is None:
         return [] if ok else [0]
     import torch
 
-    flags = torch.zeros(dist.get_world_size(), dtype=torch.int64, device=_device(dist))
+    flags = torch.zeros(dist.get_world_size(), dtype=torch.int64, device=_device(dist, pg))
     flags[dist.get_rank()] = 0 if ok else 1
-    dist.all_reduce(flags)
+    dist.all_reduce(flags, group=pg)
     return [r for r, bad in enumerate(flags.tolist()) if bad]
 
 

@@ -6,8 +6,12 @@ so a checkpoint written by 2 processes loads into 1 (a plain model) and back. `S
 save in the background (`dcp.async_save`): it first copies the rank's state into host memory (the
 training loop pauses only for that copy, and it costs one checkpoint's worth of host RAM per process),
 then writes from a thread. Never more than one save is in flight: the next one, or any restore, waits
-for it. The background save runs its collectives on a process group of its own, so that they never
-interleave with the training loop's.
+for it. The background save runs its collectives on a gloo process group of its own, so that they never
+interleave with the training loop's (and so that a run whose default group is NCCL-only can save in the
+background at all).
+
+Each function here is one step that either reaches DCP's collectives on every rank or fails before any:
+building the state (`state`), saving, reading, applying. The caller agrees between steps.
 
 DCP raises one `CheckpointException` on every rank when any rank fails inside it; `own_error` turns that
 back into this rank's own exception (or None when only others failed), for `agreement.py` to tell every
@@ -22,18 +26,32 @@ from pathlib import Path
 
 from .ranks import group
 
-__all__ = ["SHARDS", "is_sharded", "has_optimizer", "ShardWriter", "load", "load_whole", "own_error", "state_bytes"]
+__all__ = ["SHARDS", "is_sharded", "state", "has_optimizer", "ShardWriter", "read", "apply", "load_whole", "own_error",
+           "state_bytes"]
 
 SHARDS = "shards"  # the DCP folder inside a CheckpointStore checkpoint
 
 
 @contextlib.contextmanager
-def _one_process(alone: bool):
-    """DCP warns that it "assumes" one process whenever it runs without collectives; here the kit chose to."""
-    with warnings.catch_warnings():
-        if alone:
-            warnings.filterwarnings("ignore", message="torch.distributed is (disabled, )?unavailable or uninit")
+def _alone(alone: bool):
+    """Around a DCP call without collectives: DCP warns that it "assumes" one process (the kit chose to), and
+    wraps a failure in a CheckpointException that names rank 0 whatever this process's rank: it is this
+    process's own error, raised as such."""
+    if not alone:
         yield
+        return
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is (disabled, )?unavailable or uninit")
+        try:
+            yield
+        except CheckpointException as exc:
+            inner = next(iter(exc.failures.values()), None)
+            inner = inner[0] if isinstance(inner, tuple) else inner
+            if isinstance(inner, BaseException):
+                raise inner from exc
+            raise
 
 
 def is_sharded(model) -> bool:
@@ -45,7 +63,8 @@ def is_sharded(model) -> bool:
     return any(isinstance(p, DTensor) for p in model.parameters())
 
 
-def _state(model, optimizer) -> dict:
+def state(model, optimizer) -> dict:
+    """The model's and optimizer's state as DCP saves and loads it (each rank's shards; no collective)."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_state, optim_state = get_state_dict(model, [optimizer] if optimizer is not None else [])
@@ -77,38 +96,42 @@ def state_bytes(model, optimizer) -> int:
 
 
 class ShardWriter:
-    """Writes the shards of one checkpoint at a time, in the foreground or the background."""
+    """Writes the shards of one checkpoint at a time, in the foreground or the background.
 
-    def __init__(self):
+    Args:
+        pg: the process group of background saves (`ranks.side_group`: gloo, beside the training loop's);
+            None without torch.distributed.
+    """
+
+    def __init__(self, pg=None):
         self._future = None
-        self._group = None
+        self._pg = pg
 
     @property
     def in_flight(self) -> bool:
         return self._future is not None
 
-    def start(self, folder: Path, model, optimizer, *, background: bool) -> None:
-        """Save `model` and `optimizer` into `folder` (collective: every rank calls it with the same folder).
+    def start(self, folder: Path, state: dict, *, background: bool) -> None:
+        """Save `state` (from `state()`) into `folder` (collective: every rank calls it with the same folder).
         In the background, it returns once this rank's state is copied; `finish` waits for the write."""
         import torch.distributed.checkpoint as dcp
 
         if self._future is not None:
             raise RuntimeError("a sharded save is still in flight: finish() it first")
-        state = _state(model, optimizer)
+        alone = group() is None
         if not background:
-            with _one_process(group() is None):
-                dcp.save(state, checkpoint_id=str(folder), no_dist=group() is None)
+            with _alone(alone):
+                dcp.save(state, checkpoint_id=str(folder), no_dist=alone)
             return
-        dist = group()
-        if dist is not None and self._group is None:
-            self._group = dist.new_group(backend="gloo")  # collective: every rank is in the same save
-        self._future = dcp.async_save(state, checkpoint_id=str(folder), process_group=self._group)
+        with _alone(alone and self._pg is None):
+            self._future = dcp.async_save(state, checkpoint_id=str(folder), process_group=self._pg)
 
     def finish(self) -> None:
         """Wait for the save in flight, if any; raises what it raised."""
         future, self._future = self._future, None
         if future is not None:
-            future.result()
+            with _alone(group() is None and self._pg is None):
+                future.result()
 
 
 def has_optimizer(folder: Path) -> bool:
@@ -119,16 +142,20 @@ def has_optimizer(folder: Path) -> bool:
     return any(key.startswith("optimizer.") for key in keys)
 
 
-def load(folder: Path, model, optimizer) -> None:
-    """Load a DCP checkpoint into `model` and `optimizer`, resharded to this run's processes. Collective
-    for a sharded model; a plain model (one process, or DDP's replicas) reads every shard on its own."""
+def read(folder: Path, model, state: dict) -> None:
+    """Fill `state` (from `state()`) from the DCP checkpoint in `folder`, resharded to this run's processes.
+    Collective for a sharded model; a plain model (one process, or DDP's replicas) reads every shard alone."""
     import torch.distributed.checkpoint as dcp
+
+    alone = not is_sharded(model) or group() is None
+    with _alone(alone):
+        dcp.load(state, checkpoint_id=str(folder), no_dist=alone)
+
+
+def apply(model, optimizer, state: dict) -> None:
+    """Put the `state` that `read` filled into `model` and `optimizer`."""
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    state = _state(model, optimizer)
-    alone = not is_sharded(model) or group() is None
-    with _one_process(alone):
-        dcp.load(state, checkpoint_id=str(folder), no_dist=alone)
     set_state_dict(model, [optimizer] if optimizer is not None else [], model_state_dict=state["model"],
                    optim_state_dict=state.get("optimizer", {}))
 
@@ -136,7 +163,8 @@ def load(folder: Path, model, optimizer) -> None:
 def load_whole(model, optimizer, model_state: dict, optim_state: dict | None) -> None:
     """Load whole tensors (a checkpoint saved without shards) into a sharded model and its optimizer:
     each rank keeps its own shard. The optimizer's state_dict() numbers parameters in the order of its
-    groups; this optimizer was built over the same parameters in the same order, which names them."""
+    groups; this optimizer was built over the same parameters in the same order, which names them. Collective
+    (each rank takes its shard of every tensor)."""
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
                                                          set_optimizer_state_dict)
 
@@ -158,9 +186,7 @@ def load_whole(model, optimizer, model_state: dict, optim_state: dict | None) ->
 def own_error(exc: BaseException, rank: int) -> BaseException | None:
     """This rank's own exception inside DCP's `CheckpointException`, or None when only other ranks failed
     (the agreement names them); any other exception is this rank's."""
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    if not isinstance(exc, CheckpointException):
+    if type(exc).__name__ != "CheckpointException":  # without importing DCP, which may be what failed
         return exc
     mine = exc.failures.get(rank)
     if mine is None:

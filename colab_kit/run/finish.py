@@ -37,6 +37,11 @@ def finish_run(run, timeout: float | None, status: str, *, flush: bool = False, 
             run._finished = True
             run._summary = run.status() | {"status": status, "synced": None, "in_cloud": None}  # rank 0 knows
         return dict(run._summary)
+    for store in list(run._stores):  # its next call would publish it, a collective this cell cannot make
+        if store.pending_step is not None:
+            run.notices.add(f"checkpoint-{store.pending_step} was still being written in the background by "
+                            f"run.checkpoint_store(), so it is not saved: call store.close() (on every rank) "
+                            f"before run.finish()")
     deadline = None if timeout is None else clock.monotonic() + timeout
     if run._finished:  # again: wait for what is still on its way to the cloud
         return _finish_again(run, deadline, flush)

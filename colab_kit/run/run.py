@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import weakref
 from pathlib import Path
 
 from .._notices import Notices
@@ -92,6 +93,7 @@ class Run:
         self._last_remount = float("-inf")
         self.lost_to: str | None = None  # who took the run folder over, once the lease is lost
         self._finished = False
+        self._stores = weakref.WeakSet()  # from checkpoint_store(): finish() names a save they still write
         self._summary: dict | None = None
         self._pid = os.getpid()  # a forked copy (notebook_launcher) has none of this process's threads
 
@@ -181,9 +183,11 @@ class Run:
         from .store import CheckpointStore
 
         self._require_own_process("open a checkpoint store")
-        return CheckpointStore(self.drive_dir, keep=self.keep, local_dir=self.local_dir, async_save=async_save,
-                               _journal=self.journal if self.ranks.writer else None, _notices=self.notices,
-                               _mirror=self.mirror if self.ranks.writer else None)
+        store = CheckpointStore(self.drive_dir, keep=self.keep, local_dir=self.local_dir, async_save=async_save,
+                                _journal=self.journal if self.ranks.writer else None, _notices=self.notices,
+                                _mirror=self.mirror if self.ranks.writer else None)
+        self._stores.add(store)
+        return store
 
     # -- main-thread housekeeping, called from the callbacks --------------------------------------
     def _remount(self) -> None:

@@ -21,7 +21,7 @@ from pathlib import Path
 from ..errors import CheckpointError
 
 __all__ = ["MODEL_FILE", "EXTRA_FILE", "STATE_FILES", "rng_file", "staging_name", "remove_abandoned_staging",
-           "write_rank_files", "load_state_files", "load_rng", "save_fsynced"]
+           "write_rank_files", "load_state_files", "read_whole", "load_rng", "save_fsynced"]
 
 MODEL_FILE = "model.safetensors"
 EXTRA_FILE = "extra.pt"
@@ -130,32 +130,35 @@ def write_rank_files(folder: Path, rank: int, world: int, *, sharded: bool, mode
     save_fsynced(dict(extra or {}), folder / EXTRA_FILE)
 
 
+def _state_of(path: Path, step: int, key: str, map_location):
+    import torch
+
+    file = path / STATE_FILES[key]
+    if not file.exists():
+        raise CheckpointError(f"checkpoint-{step} has no {key} state ({file.name}); it was saved without {key}=")
+    return torch.load(file, map_location=map_location, weights_only=True)
+
+
 def load_state_files(path: Path, step: int, *, model=None, optimizer=None, scheduler=None, scaler=None,
                      map_location="cpu") -> None:
-    """Load a checkpoint written without shards (model.safetensors, optimizer.pt) into the given objects;
-    a sharded model takes the whole tensors and keeps its own shard of each (`sharded.load_whole`)."""
-    import torch
-    from safetensors.torch import load_file, load_model
+    """Load a checkpoint written without shards (model.safetensors, optimizer.pt) into the given objects
+    (a plain model: no collective)."""
+    from safetensors.torch import load_model
 
-    from ..distributed import sharded
-
-    def state_of(key: str):
-        file = path / STATE_FILES[key]
-        if not file.exists():
-            raise CheckpointError(f"checkpoint-{step} has no {key} state ({file.name}); it was saved without {key}=")
-        return torch.load(file, map_location=map_location, weights_only=True)
-
-    if model is not None and sharded.is_sharded(model):
-        sharded.load_whole(model, optimizer, load_file(str(path / MODEL_FILE)),
-                           state_of("optimizer") if optimizer is not None else None)
-    else:
-        if model is not None:
-            load_model(model, str(path / MODEL_FILE), strict=True)
-        if optimizer is not None:
-            optimizer.load_state_dict(state_of("optimizer"))
-    for key, obj in (("scheduler", scheduler), ("scaler", scaler)):
+    if model is not None:
+        load_model(model, str(path / MODEL_FILE), strict=True)
+    for key, obj in (("optimizer", optimizer), ("scheduler", scheduler), ("scaler", scaler)):
         if obj is not None:
-            obj.load_state_dict(state_of(key))
+            obj.load_state_dict(_state_of(path, step, key, map_location))
+
+
+def read_whole(path: Path, step: int, optimizer: bool, map_location="cpu") -> tuple[dict, dict | None]:
+    """The whole tensors of a checkpoint written without shards: (model state, optimizer state or None), for a
+    sharded model to take its shards of (`sharded.load_whole`)."""
+    from safetensors.torch import load_file
+
+    return (load_file(str(path / MODEL_FILE)),
+            _state_of(path, step, "optimizer", map_location) if optimizer else None)
 
 
 def load_rng(path: Path, rank: int) -> bool:

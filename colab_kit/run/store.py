@@ -37,17 +37,22 @@ from ..checkpoints.journal import EVENTS, Journal
 from ..checkpoints.snapshot import SNAPSHOTS, take_snapshot
 from ..distributed import ranks, sharded
 from ..distributed.agreement import agree_outcome
-from ..drive.drivefs import folder_kind
+from ..drive.drivefs import UNCONFIRMED, folder_kind
 from ..drive.mirror import Mirror
 from ..errors import CheckpointError, ColabKitError, LeaseLostError
 from . import statefiles
-from .storefind import check_fits, find_checkpoint
 from .finish import wait_for_cloud
+from .storefind import check_fits, find_checkpoint
+from .storeload import restore_into
 
 __all__ = ["CheckpointStore"]
 
 log = logging.getLogger(__name__)
-_SAVE, _RESTORE = "checkpoint save", "checkpoint restore"
+_SAVE, _RESTORE, _OPEN, _WAIT = "checkpoint save", "checkpoint restore", "checkpoint store", "checkpoint wait"
+# The store's agreements run on a gloo group of their own: while rank 0 fetches a checkpoint or waits for
+# uploads, the other ranks wait in one of them, up to this long (the default group's timeout is 10 minutes
+# on NCCL); waits for uploads go in slices of _SLICE_S, each ending in an agreement.
+_AGREE_MINUTES, _SLICE_S = 60, 60.0
 
 
 def _failure(exc: BaseException, rank: int) -> BaseException | None:
@@ -80,53 +85,47 @@ class CheckpointStore:
                  _mirror: Mirror | None = None):
         if int(keep) < 1:
             raise ValueError(f"keep={keep!r}: keep at least 1 checkpoint")
-        self.dir = Path(dir)
-        self.keep = int(keep)
-        self.async_save = bool(async_save)
-        here = ranks.detect()
-        if here.nodes > 1:  # the same answer on every rank (the launcher's environment): nobody waits
-            raise ColabKitError(
-                f"CheckpointStore under {here.describe()}: each machine's ranks would write their share of a "
-                f"checkpoint to that machine's disk, and the kit mirrors one folder, rank 0's, so no checkpoint "
-                f"would be complete. Train on one machine, or use the HF Trainer with run.train, which gathers "
-                f"every rank's RNG state and fetches per machine")
-        if here.distributed and ranks.group() is None:
-            raise ColabKitError(f"WORLD_SIZE={here.world_size} but torch.distributed is not initialised, so the ranks "
-                                f"cannot save and restore together: call dist.init_process_group() (or create the "
-                                f"model with FSDP/DDP) before creating the CheckpointStore")
+        self.dir, self.keep, self.async_save = Path(dir), int(keep), bool(async_save)
+        _refuse_launch(ranks.detect())  # the same answer on every rank (the launcher's environment): nobody waits
         self._rank, self._world = ranks.place()
         self._writer = self._rank == 0
-        # One staging folder for every rank of the machine (DCP writes every rank's shards into one): rank 0's.
-        made = local_dir or (tempfile.mkdtemp(prefix="colab_kit-store-") if self._writer else None)
-        self.local_dir = Path(ranks.broadcast_object(str(made) if made else None))
-        self.local_dir.mkdir(parents=True, exist_ok=True)
+        self._pg = ranks.side_group(_AGREE_MINUTES) if self._world > 1 else None
+        self._shards = sharded.ShardWriter(ranks.side_group(_AGREE_MINUTES) if self.async_save else None)
         self._notices = _notices or Notices()
-        self._shards = sharded.ShardWriter()
         self._pending: tuple[int, Path, dict] | None = None  # a background save: (step, staging, fingerprint)
         self.extra: dict = {}
-        self._closed = False
-        self._journal = self._mirror = None
-        self._owns_mirror = False
-        if self._writer:  # the followers never touch the persistent folder
-            storage.make_dirs(self.dir / CHECKPOINTS)
-            self._journal = _journal or Journal(self.dir / EVENTS)
-            self._owns_mirror = _mirror is None
-            if _mirror is None:
-                _mirror = Mirror(self.dir, keep=self.keep, journal=self._journal, notices=self._notices,
-                                 kind=folder_kind(self.dir))
-            self._mirror = _mirror
-            statefiles.remove_abandoned_staging(self.local_dir)
+        self._journal, self._mirror, self._owns_mirror, self._closed = None, None, False, False
+        # One staging folder for every rank of the machine (DCP writes every rank's shards into one): rank 0's.
+        made = self._agreed(lambda: str(local_dir or tempfile.mkdtemp(prefix="colab_kit-store-"))
+                            if self._writer else None, _OPEN)
+        self.local_dir = Path(ranks.broadcast_object(made, self._pg))
+        try:
+            self._agreed(lambda: self._open(_journal, _mirror), _OPEN)
+        except BaseException:
+            if self._owns_mirror:
+                self._mirror.close()
+            raise
         # What is already in the folder is adopted (and may be pruned) only after restore_latest has
         # looked at it, or at the first save: a damaged checkpoint is named to the user, not just deleted.
         self._adopted = not self._owns_mirror
+
+    def _open(self, journal: Journal | None, mirror: Mirror | None) -> None:
+        self.local_dir.mkdir(parents=True, exist_ok=True)
+        if not self._writer:
+            return  # the followers never touch the persistent folder
+        storage.make_dirs(self.dir / CHECKPOINTS)
+        self._journal = journal or Journal(self.dir / EVENTS)
+        self._owns_mirror = mirror is None
+        self._mirror = mirror or Mirror(self.dir, keep=self.keep, journal=self._journal, notices=self._notices,
+                                        kind=folder_kind(self.dir))
+        statefiles.remove_abandoned_staging(self.local_dir)
 
     # -- saving ----------------------------------------------------------------------------
     def save(self, step: int, model=None, optimizer=None, scheduler=None, scaler=None, **extra) -> Path:
         """Write a checkpoint locally and queue its upload; returns the local folder.
 
-        Under several processes every rank calls it (see the module's docstring). A sharded model's
-        shards may still be written in the background when it returns: the next `save`, `restore_latest`,
-        `wait` or `close` finishes that save first (never more than one in flight).
+        Under several processes every rank calls it. A sharded model's shards may still be written in the
+        background when it returns: the next call of the store finishes that save first (one in flight).
 
         Args:
             step: the number of optimizer steps done (names the folder).
@@ -137,34 +136,35 @@ class CheckpointStore:
                 available as `store.extra` after `restore_latest`.
 
         Raises:
-            RankFailedError: another rank failed in this save (this rank's own error is raised as it is).
-        """
+            RankFailedError: another rank failed in this save (this rank's own error is raised as it is)."""
         self._finish_pending()
         step = int(step)
         is_sharded = model is not None and sharded.is_sharded(model)
-        staging = self.local_dir / ranks.broadcast_object(statefiles.staging_name(step, uuid.uuid4().hex[:8]))
         background = is_sharded and self.async_save
+        staging = self.local_dir / ranks.broadcast_object(statefiles.staging_name(step, uuid.uuid4().hex[:8]),
+                                                          self._pg)
         try:
-            self._agreed(lambda: self._write_rank_files(step, staging, is_sharded, model, optimizer, scheduler,
-                                                        scaler, extra), _SAVE, step)
-            if is_sharded:
-                self._agreed(lambda: self._shards.start(staging / sharded.SHARDS, model, optimizer,
-                                                        background=background), _SAVE, step)
+            fingerprint = self._agreed(lambda: self._write_rank_files(step, staging, is_sharded, model, optimizer,
+                                                                      scheduler, scaler, extra), _SAVE, step)
+            if is_sharded:  # each of these either reaches DCP's collectives on every rank or fails before any
+                state = self._agreed(lambda: sharded.state(model, optimizer), _SAVE, step)
+                self._agreed(lambda: self._shards.start(staging / sharded.SHARDS, state, background=background),
+                             _SAVE, step)
         except BaseException:
             self._discard(staging)
             raise
-        fingerprint = model_signature(model) if model is not None else {}
         if background:
             self._pending = (step, staging, fingerprint)
             return checkpoint_dir(self.local_dir, step)
         return self._publish(step, staging, fingerprint)
 
-    def _write_rank_files(self, step, staging, is_sharded, model, optimizer, scheduler, scaler, extra) -> None:
+    def _write_rank_files(self, step, staging, is_sharded, model, optimizer, scheduler, scaler, extra) -> dict:
         if self._writer:
             self._refuse_if_unusable(step)
             self._adopt()
         statefiles.write_rank_files(staging, self._rank, self._world, sharded=is_sharded, model=model,
                                     optimizer=optimizer, scheduler=scheduler, scaler=scaler, extra=extra)
+        return model_signature(model) if model is not None and self._writer else {}
 
     def _finish_pending(self) -> None:
         """Wait for the background save, agree that every rank wrote its shards, and publish it."""
@@ -178,6 +178,11 @@ class CheckpointStore:
             self._discard(staging)
             raise
         self._publish(step, staging, fingerprint)
+
+    @property
+    def pending_step(self) -> int | None:
+        """The step of the save still being written in the background (published by the next call), or None."""
+        return self._pending[0] if self._pending else None
 
     def _publish(self, step: int, staging: Path, fingerprint: dict) -> Path:
         """Rank 0 renames the finished checkpoint into place and queues its upload; every rank learns how it went."""
@@ -231,51 +236,28 @@ class CheckpointStore:
             RankFailedError: another rank failed in this restore.
         """
         self._finish_pending()
-        found = None
-
-        def choose() -> None:
-            nonlocal found
-            if self._writer:
-                found = find_checkpoint(self.dir, self.local_dir, self._journal, self._notices)
-                self._adopt()
-                self._show()
-                if found is not None:
-                    check_fits(found, model)
-
-        self._agreed(choose, _RESTORE)
-        chosen = ranks.broadcast_object(None if found is None else (found.step, str(found.path)))
+        found = self._agreed(lambda: self._choose(model), _RESTORE)
+        chosen = ranks.broadcast_object(found and (found.step, str(found.path), (found.path / sharded.SHARDS).is_dir()),
+                                        self._pg)
         if chosen is None:
             return None
-        step, path = chosen[0], Path(chosen[1])
-        shards = path / sharded.SHARDS
-        if shards.is_dir():
-            self._agreed(lambda: self._check_shards(step, shards, model, optimizer), _RESTORE, step)
-            self._agreed(lambda: sharded.load(shards, model, optimizer), _RESTORE, step)
-            others = {"scheduler": scheduler, "scaler": scaler}
-        else:
-            others = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "scaler": scaler}
-        self._agreed(lambda: self._load_rest(path, step, others, map_location), _RESTORE, step)
+        step, path, has_shards = chosen
+        self.extra = restore_into(self._agreed, Path(path), step, has_shards, self._rank, model=model,
+                                  optimizer=optimizer, scheduler=scheduler, scaler=scaler, map_location=map_location)
         if found is not None:
             self._journal.write("resume", step=found.step, origin=found.origin, source=str(found.source))
         return step
 
-    @staticmethod
-    def _check_shards(step: int, shards: Path, model, optimizer) -> None:
-        if model is None:
-            raise CheckpointError(f"checkpoint-{step} holds a sharded model ({shards.name}/): pass model= (and "
-                                  f"optimizer=) to restore_latest, which loads them together")
-        if optimizer is not None and not sharded.has_optimizer(shards):
-            raise CheckpointError(f"checkpoint-{step} has no optimizer state in {shards.name}/; it was saved "
-                                  f"without optimizer=")
-
-    def _load_rest(self, path: Path, step: int, objects: dict, map_location) -> None:
-        import torch
-
-        statefiles.load_state_files(path, step, map_location=map_location, **objects)
-        self.extra = torch.load(path / statefiles.EXTRA_FILE, map_location=map_location, weights_only=True)
-        if not statefiles.load_rng(path, self._rank):
-            log.info("checkpoint-%d holds no RNG state for rank %d (saved by fewer processes): it keeps its own",
-                     step, self._rank)
+    def _choose(self, model):
+        """Rank 0: the checkpoint to restore (None when there is none), checked against `model`."""
+        if not self._writer:
+            return None
+        found = find_checkpoint(self.dir, self.local_dir, self._journal, self._notices)
+        self._adopt()
+        self._show()
+        if found is not None:
+            check_fits(found, model)
+        return found
 
     def _adopt(self) -> None:
         if not self._adopted:
@@ -283,14 +265,16 @@ class CheckpointStore:
             self._mirror.adopt_existing()
 
     # -- every rank together -----------------------------------------------------------------
-    def _agreed(self, part, where: str, step: int | None = None) -> None:
-        """Run `part` on this rank, then let every rank learn whether any rank failed in it (and raise)."""
-        error = None
+    def _agreed(self, part, where: str, step: int | None = None):
+        """Run `part` on this rank, then let every rank learn whether any rank failed in it (and raise);
+        returns what `part` returned."""
+        error = value = None
         try:
-            part()
+            value = part()
         except BaseException as exc:
             error = _failure(exc, self._rank)
-        agree_outcome(error, where, step=step)
+        agree_outcome(error, where, step=step, pg=self._pg)
+        return value
 
     def _discard(self, staging: Path) -> None:
         if self._writer:
@@ -305,17 +289,21 @@ class CheckpointStore:
         """Block until every saved checkpoint is written to `dir` and in the cloud; False on timeout
         (and always False on a Drive mount that cannot confirm uploads). Every rank gets rank 0's answer."""
         self._finish_pending()
-        done = False
+        deadline = None if timeout is None else clock.monotonic() + timeout
+        while True:  # in slices, each ending in an agreement: no rank waits long inside one collective
+            done, final = ranks.broadcast_object(self._agreed(lambda: self._wait_slice(deadline), _WAIT), self._pg)
+            if final:
+                return done
 
-        def wait() -> None:
-            nonlocal done
-            if self._writer:
-                deadline = None if timeout is None else clock.monotonic() + timeout
-                done = self._mirror.drain(timeout) and wait_for_cloud(self._mirror.tracker, deadline)
-                self._notices.show()
-
-        self._agreed(wait, "checkpoint wait")
-        return ranks.from_writer(done)
+    def _wait_slice(self, deadline: float | None) -> tuple[bool, bool] | None:
+        """Rank 0: (everything is in the cloud, nothing more will change by waiting) after up to _SLICE_S."""
+        if not self._writer:
+            return None
+        until = clock.monotonic() + _SLICE_S if deadline is None else min(deadline, clock.monotonic() + _SLICE_S)
+        done = self._mirror.drain(max(0.0, until - clock.monotonic())) and wait_for_cloud(self._mirror.tracker, until)
+        self._notices.show()
+        stuck = self._mirror.paused or not self._mirror.alive or self._mirror.tracker.kind == UNCONFIRMED
+        return done, done or stuck or (deadline is not None and clock.monotonic() >= deadline)
 
     def close(self, timeout: float | None = 600) -> bool:
         """Wait for pending uploads (up to `timeout` seconds) and stop the worker; idempotent."""
@@ -337,10 +325,24 @@ class CheckpointStore:
         return self
 
     def __exit__(self, kind, value, traceback) -> None:
-        if kind is None or ranks.group() is None:
+        if kind is None or self._world == 1:
             self.close()
-        elif not self._closed:  # an error on this rank alone must not wait for the others in a collective
+        elif not self._closed:  # an error on this rank alone: no collective (the others may not come)
+            if self._writer:  # what was published still goes up (the worker needs no other rank)
+                self._mirror.drain(600)
             if self._owns_mirror:
                 self._mirror.close()
             self._closed = True
 
+
+def _refuse_launch(here: ranks.Ranks) -> None:
+    if here.nodes > 1:
+        raise ColabKitError(
+            f"CheckpointStore under {here.describe()}: each machine's ranks would write their share of a "
+            f"checkpoint to that machine's disk, and the kit mirrors one folder, rank 0's, so no checkpoint "
+            f"would be complete. Train on one machine, or use the HF Trainer with run.train, which gathers "
+            f"every rank's RNG state and fetches per machine")
+    if here.distributed and ranks.group() is None:
+        raise ColabKitError(f"WORLD_SIZE={here.world_size} but torch.distributed is not initialised, so the ranks "
+                            f"cannot save and restore together: call dist.init_process_group() (or create the "
+                            f"model with FSDP/DDP) before creating the CheckpointStore")

@@ -157,37 +157,58 @@ def test_a_checkpoint_of_two_processes_resumes_on_one_and_back(tmp_path, referen
     assert harness.max_abs_diff(back, harness.load_weights(tmp_path / "one-10.safetensors")) == 0.0
 
 
-@pytest.mark.parametrize("where", ["files", "shards"])
-@pytest.mark.parametrize("how", ["async", "sync"])
-def test_an_error_on_one_rank_in_a_checkpoint_save_reaches_every_rank(tmp_path, where, how):
-    """A ValueError on rank 1 while it writes its own files, or inside DCP's write (in the background for an
-    async save: it surfaces at the next save). Rank 0 names rank 1 and the ValueError; rank 1 raises its own
-    and lives on; both end within seconds."""
+def failing(where: Path, *options) -> tuple[str, str]:
+    """Launch 2 ranks where rank 1 fails (`--fail`) and lingers as a notebook kernel does. Rank 0 must end
+    within 30 s, and rank 1 must stay alive after its error; returns both outputs."""
     started = time.monotonic()
-    ranks = launch(tmp_path, 2, "--fail", f"1:{where}:4", "--linger", 120, *(["--sync"] if how == "sync" else []))
+    ranks = launch(where, 2, *options, "--linger", 120)
     rank0, rank1 = ranks.jobs
     try:
         try:
             rank0.wait(timeout=60)
         except subprocess.TimeoutExpired:
-            pytest.fail(f"rank 0 was left waiting:\n{(tmp_path / 'job-rank0.log').read_text()[-3000:]}")
+            pytest.fail(f"rank 0 was left waiting:\n{(where / 'job-rank0.log').read_text()[-3000:]}")
         took = time.monotonic() - started
         said0 = rank0.communicate()[0]
         deadline = time.monotonic() + 30
-        while "ERROR " not in (tmp_path / "job-rank1.log").read_text() and time.monotonic() < deadline:
+        while "ERROR " not in (where / "job-rank1.log").read_text() and time.monotonic() < deadline:
             time.sleep(0.2)
-        said1 = (tmp_path / "job-rank1.log").read_text()
+        said1 = (where / "job-rank1.log").read_text()
         alive = rank1.poll() is None
     finally:
         ranks.kill()
     assert rank0.returncode == 1, said0[-3000:]
-    assert "ERROR RankFailedError: rank 1 of 2 failed in the checkpoint save at step 4" in said0, said0[-3000:]
-    assert "ValueError: injected on rank 1 in the checkpoint save at step 4" in said0
-    assert "ERROR ValueError: injected on rank 1 in the checkpoint save at step 4" in said1, said1[-3000:]
     assert alive, said1[-3000:]
     assert took < 30, f"{took:.1f} s"
+    return said0, said1
+
+
+@pytest.mark.parametrize("where,how,step", [("files", "async", 4), ("state", "async", 2), ("shards", "async", 4),
+                                            ("shards", "sync", 4)])
+def test_an_error_on_one_rank_in_a_checkpoint_save_reaches_every_rank(tmp_path, where, how, step):
+    """A ValueError on rank 1 while it writes its own files, while it takes the state DCP saves (before DCP's
+    first collective, in the very first save), or inside DCP's write (in the background for an async save:
+    it surfaces at the next save). Rank 0 names rank 1 and the ValueError; rank 1 raises its own and lives on;
+    rank 0 ends within seconds; the failed checkpoint is never published."""
+    said0, said1 = failing(tmp_path, "--fail", f"1:{where}:{step}", *(["--sync"] if how == "sync" else []))
+    message = f"ValueError: injected on rank 1 in the checkpoint save at step {step}"
+    assert f"ERROR RankFailedError: rank 1 of 2 failed in the checkpoint save at step {step}" in said0, said0[-3000:]
+    assert message in said0 and f"ERROR {message}" in said1, said1[-3000:]
     published = [p.name for p in (tmp_path / "local").glob("checkpoint-*")]
-    assert published == ["checkpoint-2"], published  # the failed save is never published
+    assert published == [f"checkpoint-{s}" for s in range(2, step, 2)], published
+
+
+@pytest.mark.parametrize("model", ["sharded", "replicated"])
+def test_an_error_on_one_rank_in_a_restore_reaches_every_rank(tmp_path, reference, model):
+    """Rank 1 cannot read the shards back: into its shard of the model (DCP's collective read), or into its
+    whole replica (each rank reads every shard alone, where DCP names every failure rank 0's). Every rank
+    stops; rank 0 names rank 1, which raises its own ValueError."""
+    shutil.copytree(reference / "drive", tmp_path / "drive")
+    said0, said1 = failing(tmp_path, "--fail", "1:restore:0", *(["--no-shard"] if model == "replicated" else []))
+    message = "ValueError: injected on rank 1 in the checkpoint restore"
+    assert "ERROR RankFailedError: rank 1 of 2 failed in the checkpoint restore at step 8" in said0, said0[-3000:]
+    assert message in said0 and f"ERROR {message}" in said1, said1[-3000:]
+    assert "RESUMED" not in said0 + said1
 
 
 def _rewrite_manifest(folder: Path, keep_record: bool) -> None:

@@ -12,9 +12,11 @@ the background unless --sync). It prints "RESUMED <step>" and, for an error, "ER
 --die STEP:WHERE ends every rank at once (os._exit, like a lost runtime) at STEP: "step" after the
 optimizer step, "save" right after `save` returned (the shards still being written), "mirror" once the
 checkpoint is queued for upload. --fail R:WHERE:STEP makes rank R raise a ValueError in the save of
-STEP: "files" while writing its own files, "shards" inside DCP's write; --linger S keeps that rank alive
-S seconds after its error, as a notebook kernel stays. --dump-restored writes the restored model and
-optimizer (whole tensors) and exits; --out writes them at the end. --open-run NAME opens the run with
+STEP: "files" while writing its own files, "state" while taking the state DCP saves, "shards" inside DCP's
+write; "restore" (STEP 0) while DCP reads the shards back. --linger S keeps that rank alive S seconds after
+its error, as a notebook kernel stays. --no-shard keeps the model plain on every rank (DDP's replicas).
+--dump-restored writes the restored model and optimizer (whole tensors) and exits; --out writes them at
+the end. --open-run NAME opens the run with
 `ck.start_run(NAME, drive=D, local_dir=L)` on every rank and takes the store from `run.checkpoint_store()`;
 --step-sleep S makes each step last S seconds longer (uploads fall behind); --look-spacing S spaces the
 kit's looks at a missing file S seconds apart (as tiny_job.py does on the emulator).
@@ -100,6 +102,24 @@ def inject(where: str, at_step: int, rank: int, current: dict) -> None:
             return real(self, plan, planner)
 
         _FileSystemWriter.write_data = write_data
+    elif where == "state":  # before DCP's first collective
+        from colab_kit.distributed import sharded
+
+        real_state = sharded.state
+
+        def state(model, optimizer):
+            if current["step"] == at_step:
+                raise ValueError(message)
+            return real_state(model, optimizer)
+
+        sharded.state = state
+    elif where == "restore":  # reading the shards back
+        from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+        def read_data(self, plan, planner):
+            raise ValueError(f"injected on rank {rank} in the checkpoint restore")
+
+        FileSystemReader.read_data = read_data
     else:
         raise SystemExit(f"--fail: unknown place {where!r}")
 
@@ -130,7 +150,7 @@ def train(args, rank: int, world: int):
     import colab_kit as ck
 
     model = make_model()
-    if world > 1:
+    if world > 1 and not args.no_shard:
         from torch.distributed.fsdp import fully_shard
 
         for layer in model:
@@ -199,6 +219,7 @@ def main() -> None:
     parser.add_argument("--out")
     parser.add_argument("--trainer-layout")
     parser.add_argument("--open-run")
+    parser.add_argument("--no-shard", action="store_true")
     parser.add_argument("--step-sleep", type=float, default=0.0)
     parser.add_argument("--look-spacing", type=float, default=None,
                         help="the first wait between looks (the kit's: 1 s), as in tiny_job.py")
