@@ -20,7 +20,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Ranks", "detect", "group", "place", "side_group", "barrier",
+__all__ = ["Ranks", "detect", "group", "place", "side_group", "drop_group", "barrier",
            "from_writer", "broadcast_object", "all_agree", "sum_over_ranks",
            "gather_rank_files", "rank_files_missing"]
 
@@ -161,6 +161,13 @@ def sum_over_ranks(values: list[float]) -> list[float]:
     summed = torch.tensor(values, dtype=torch.float64, device=_device(dist))
     dist.all_reduce(summed)
     return summed.tolist()
+
+
+def drop_group(pg) -> None:
+    """Let go of a group from `side_group` (None: nothing to do)."""
+    dist = sys.modules.get("torch.distributed")
+    if pg is not None and dist is not None and dist.is_initialized():
+        dist.destroy_process_group(pg)
 
 
 def all_agree(ok: bool, pg=None) -> list[int]:

@@ -24,12 +24,14 @@ import contextlib
 import warnings
 from pathlib import Path
 
+from . import ranks
 from .ranks import group
 
-__all__ = ["SHARDS", "is_sharded", "state", "has_optimizer", "ShardWriter", "read", "apply", "load_whole", "own_error",
-           "state_bytes"]
+__all__ = ["SHARDS", "is_sharded", "state", "has_optimizer", "ShardWriter", "read", "apply", "load_whole_model",
+           "named_optimizer_state", "load_whole_optimizer", "own_error", "state_bytes"]
 
 SHARDS = "shards"  # the DCP folder inside a CheckpointStore checkpoint
+_BACKGROUND_MINUTES = 60  # a background save's collectives wait this long for the other ranks' threads
 
 
 @contextlib.contextmanager
@@ -99,13 +101,13 @@ class ShardWriter:
     """Writes the shards of one checkpoint at a time, in the foreground or the background.
 
     Args:
-        pg: the process group of background saves (`ranks.side_group`: gloo, beside the training loop's);
-            None without torch.distributed.
+        background: whether saves may go in the background: then the writer takes a process group of its
+            own (`ranks.side_group`: gloo, beside the training loop's; collective, every rank makes one).
     """
 
-    def __init__(self, pg=None):
+    def __init__(self, background: bool):
         self._future = None
-        self._pg = pg
+        self._pg = ranks.side_group(_BACKGROUND_MINUTES) if background else None
 
     @property
     def in_flight(self) -> bool:
@@ -125,6 +127,19 @@ class ShardWriter:
             return
         with _alone(alone and self._pg is None):
             self._future = dcp.async_save(state, checkpoint_id=str(folder), process_group=self._pg)
+
+    def abandon(self) -> None:
+        """After a start that failed on some rank (every rank calls it): forget a save this rank may have
+        begun, whose thread waits for ranks that never began theirs, and take a fresh process group, so that
+        the next save cannot meet that thread's collectives."""
+        self._future = None
+        if self._pg is not None:
+            self._pg = ranks.side_group(_BACKGROUND_MINUTES)
+
+    def close(self) -> None:
+        """Let go of the process group (nothing is in flight: `finish` came first)."""
+        ranks.drop_group(self._pg)
+        self._pg = None
 
     def finish(self) -> None:
         """Wait for the save in flight, if any; raises what it raised."""
@@ -160,18 +175,18 @@ def apply(model, optimizer, state: dict) -> None:
                    optim_state_dict=state.get("optimizer", {}))
 
 
-def load_whole(model, optimizer, model_state: dict, optim_state: dict | None) -> None:
-    """Load whole tensors (a checkpoint saved without shards) into a sharded model and its optimizer:
-    each rank keeps its own shard. The optimizer's state_dict() numbers parameters in the order of its
-    groups; this optimizer was built over the same parameters in the same order, which names them. Collective
-    (each rank takes its shard of every tensor)."""
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
-                                                         set_optimizer_state_dict)
+def load_whole_model(model, model_state: dict) -> None:
+    """Load whole tensors (a checkpoint saved without shards) into a sharded model: each rank keeps its own
+    shard of each. Collective."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    whole = StateDictOptions(full_state_dict=True)
-    set_model_state_dict(model, model_state, options=whole)
-    if optimizer is None or optim_state is None:
-        return
+    set_model_state_dict(model, model_state, options=StateDictOptions(full_state_dict=True))
+
+
+def named_optimizer_state(model, optimizer, optim_state: dict) -> dict:
+    """A plain `optimizer.state_dict()` (parameters numbered in the order of its groups) keyed by parameter
+    names instead, as `load_whole_optimizer` takes it: this optimizer was built over the same parameters in
+    the same order, which names them. No collective."""
     names = {id(p): name for name, p in model.named_parameters()}
     state, groups = {}, []
     for saved, current in zip(optim_state["param_groups"], optimizer.param_groups, strict=True):
@@ -180,7 +195,15 @@ def load_whole(model, optimizer, model_state: dict, optim_state: dict | None) ->
             if index in optim_state["state"]:
                 state[fqn] = optim_state["state"][index]
         groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": fqns})
-    set_optimizer_state_dict(model, optimizer, {"state": state, "param_groups": groups}, options=whole)
+    return {"state": state, "param_groups": groups}
+
+
+def load_whole_optimizer(model, optimizer, named_state: dict) -> None:
+    """Load an optimizer state of whole tensors (`named_optimizer_state`) into a sharded model's optimizer.
+    Collective."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    set_optimizer_state_dict(model, optimizer, named_state, options=StateDictOptions(full_state_dict=True))
 
 
 def own_error(exc: BaseException, rank: int) -> BaseException | None:

@@ -185,6 +185,15 @@ def wait_for_cloud(tracker, deadline: float | None) -> bool:
         clock.sleep(min(1.0, left) if left is not None else 1.0)
 
 
+def wait_a_while(mirror, deadline: float | None, longest: float) -> tuple[bool, bool]:
+    """Wait up to `longest` seconds (and not past `deadline`) for `mirror` to write everything and Drive to
+    upload it: (everything is in the cloud, waiting longer would change nothing)."""
+    until = clock.monotonic() + longest if deadline is None else min(deadline, clock.monotonic() + longest)
+    done = mirror.drain(max(0.0, until - clock.monotonic())) and wait_for_cloud(mirror.tracker, until)
+    stuck = mirror.paused or not mirror.alive or mirror.tracker.kind == UNCONFIRMED
+    return done, done or stuck or (deadline is not None and clock.monotonic() >= deadline)
+
+
 def _in_cloud(run) -> bool | None:
     """Everything written is confirmed in the cloud (None on a plain folder, which has no cloud; False
     when the lease was lost with checkpoints this runtime never wrote)."""

@@ -37,11 +37,11 @@ from ..checkpoints.journal import EVENTS, Journal
 from ..checkpoints.snapshot import SNAPSHOTS, take_snapshot
 from ..distributed import ranks, sharded
 from ..distributed.agreement import agree_outcome
-from ..drive.drivefs import UNCONFIRMED, folder_kind
+from ..drive.drivefs import folder_kind
 from ..drive.mirror import Mirror
 from ..errors import CheckpointError, ColabKitError, LeaseLostError
 from . import statefiles
-from .finish import wait_for_cloud
+from .finish import wait_a_while
 from .storefind import check_fits, find_checkpoint
 from .storeload import restore_into
 
@@ -90,7 +90,8 @@ class CheckpointStore:
         self._rank, self._world = ranks.place()
         self._writer = self._rank == 0
         self._pg = ranks.side_group(_AGREE_MINUTES) if self._world > 1 else None
-        self._shards = sharded.ShardWriter(ranks.side_group(_AGREE_MINUTES) if self.async_save else None)
+        self.async_save = bool(ranks.broadcast_object(self.async_save, self._pg))  # one answer: it makes groups
+        self._shards = sharded.ShardWriter(background=self.async_save)
         self._notices = _notices or Notices()
         self._pending: tuple[int, Path, dict] | None = None  # a background save: (step, staging, fingerprint)
         self.extra: dict = {}
@@ -148,8 +149,7 @@ class CheckpointStore:
                                                                       scheduler, scaler, extra), _SAVE, step)
             if is_sharded:  # each of these either reaches DCP's collectives on every rank or fails before any
                 state = self._agreed(lambda: sharded.state(model, optimizer), _SAVE, step)
-                self._agreed(lambda: self._shards.start(staging / sharded.SHARDS, state, background=background),
-                             _SAVE, step)
+                self._start(staging, state, background, step)
         except BaseException:
             self._discard(staging)
             raise
@@ -157,6 +157,14 @@ class CheckpointStore:
             self._pending = (step, staging, fingerprint)
             return checkpoint_dir(self.local_dir, step)
         return self._publish(step, staging, fingerprint)
+
+    def _start(self, staging: Path, state: dict, background: bool, step: int) -> None:
+        try:
+            self._agreed(lambda: self._shards.start(staging / sharded.SHARDS, state, background=background),
+                         _SAVE, step)
+        except Exception:  # raised on every rank by the agreement: none may keep a half-begun save
+            self._shards.abandon()
+            raise
 
     def _write_rank_files(self, step, staging, is_sharded, model, optimizer, scheduler, scaler, extra) -> dict:
         if self._writer:
@@ -236,9 +244,8 @@ class CheckpointStore:
             RankFailedError: another rank failed in this restore.
         """
         self._finish_pending()
-        found = self._agreed(lambda: self._choose(model), _RESTORE)
-        chosen = ranks.broadcast_object(found and (found.step, str(found.path), (found.path / sharded.SHARDS).is_dir()),
-                                        self._pg)
+        found, has_shards = self._agreed(lambda: self._choose(model), _RESTORE) or (None, False)
+        chosen = ranks.broadcast_object(found and (found.step, str(found.path), has_shards), self._pg)
         if chosen is None:
             return None
         step, path, has_shards = chosen
@@ -249,7 +256,7 @@ class CheckpointStore:
         return step
 
     def _choose(self, model):
-        """Rank 0: the checkpoint to restore (None when there is none), checked against `model`."""
+        """Rank 0: (the checkpoint to restore or None, whether it holds shards), checked against `model`."""
         if not self._writer:
             return None
         found = find_checkpoint(self.dir, self.local_dir, self._journal, self._notices)
@@ -257,7 +264,7 @@ class CheckpointStore:
         self._show()
         if found is not None:
             check_fits(found, model)
-        return found
+        return found, found is not None and (found.path / sharded.SHARDS).is_dir()
 
     def _adopt(self) -> None:
         if not self._adopted:
@@ -291,19 +298,11 @@ class CheckpointStore:
         self._finish_pending()
         deadline = None if timeout is None else clock.monotonic() + timeout
         while True:  # in slices, each ending in an agreement: no rank waits long inside one collective
-            done, final = ranks.broadcast_object(self._agreed(lambda: self._wait_slice(deadline), _WAIT), self._pg)
+            waited = self._agreed(lambda: self._writer and wait_a_while(self._mirror, deadline, _SLICE_S), _WAIT)
+            done, final = ranks.broadcast_object(waited, self._pg)
+            self._show()
             if final:
                 return done
-
-    def _wait_slice(self, deadline: float | None) -> tuple[bool, bool] | None:
-        """Rank 0: (everything is in the cloud, nothing more will change by waiting) after up to _SLICE_S."""
-        if not self._writer:
-            return None
-        until = clock.monotonic() + _SLICE_S if deadline is None else min(deadline, clock.monotonic() + _SLICE_S)
-        done = self._mirror.drain(max(0.0, until - clock.monotonic())) and wait_for_cloud(self._mirror.tracker, until)
-        self._notices.show()
-        stuck = self._mirror.paused or not self._mirror.alive or self._mirror.tracker.kind == UNCONFIRMED
-        return done, done or stuck or (deadline is not None and clock.monotonic() >= deadline)
 
     def close(self, timeout: float | None = 600) -> bool:
         """Wait for pending uploads (up to `timeout` seconds) and stop the worker; idempotent."""
@@ -318,7 +317,9 @@ class CheckpointStore:
             self._notices.show()
         if self._owns_mirror:
             self._mirror.close()
-        self._closed = True
+        self._shards.close()  # nothing is in flight: wait() finished it
+        ranks.drop_group(self._pg)
+        self._pg, self._closed = None, True
         return done
 
     def __enter__(self) -> "CheckpointStore":

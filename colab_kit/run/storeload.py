@@ -43,8 +43,12 @@ def restore_into(agreed, path: Path, step: int, has_shards: bool, rank: int, *, 
         agreed(lambda: sharded.read(folder, model, state), _RESTORE, step)
         agreed(lambda: sharded.apply(model, optimizer, state), _RESTORE, step)
     elif model is not None and sharded.is_sharded(model):
-        whole = agreed(lambda: statefiles.read_whole(path, step, optimizer is not None, map_location), _RESTORE, step)
-        agreed(lambda: sharded.load_whole(model, optimizer, *whole), _RESTORE, step)
+        whole, optim = agreed(lambda: statefiles.read_whole(path, step, optimizer is not None, map_location),
+                              _RESTORE, step)
+        agreed(lambda: sharded.load_whole_model(model, whole), _RESTORE, step)
+        if optim is not None:
+            named = agreed(lambda: sharded.named_optimizer_state(model, optimizer, optim), _RESTORE, step)
+            agreed(lambda: sharded.load_whole_optimizer(model, optimizer, named), _RESTORE, step)
     else:
         rest.update(model=model, optimizer=optimizer)
 

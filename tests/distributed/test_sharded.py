@@ -198,6 +198,20 @@ def test_an_error_on_one_rank_in_a_checkpoint_save_reaches_every_rank(tmp_path, 
     assert published == [f"checkpoint-{s}" for s in range(2, step, 2)], published
 
 
+def test_after_a_background_save_failed_to_start_on_one_rank_the_next_saves_work(tmp_path, reference):
+    """Rank 1 cannot start its background save of step 4, while rank 0's has begun and waits for rank 1's
+    in a thread. Both ranks raise; the run goes on (as a user runs the cell again) and saves 6 and 8 as if
+    nothing had happened: no save is left in flight, and no later save meets that thread."""
+    said = run_to_end(tmp_path, 2, "--fail", "1:start:4", "--keep-going", "--out", tmp_path / "final.safetensors")
+    assert "SAVE FAILED RankFailedError: rank 1 of 2 failed in the checkpoint save at step 4" in said, said[-3000:]
+    assert "SAVE FAILED ValueError: injected on rank 1 in the checkpoint save at step 4" in said
+    assert said.count("SAVE FAILED") == 2
+    assert sorted(p.name for p in (tmp_path / "local").glob("checkpoint-*")) == ["checkpoint-6", "checkpoint-8"]
+    assert validity.check(tmp_path / "drive" / "checkpoints" / "checkpoint-8").valid
+    final = harness.load_weights(tmp_path / "final.safetensors")
+    assert harness.max_abs_diff(final, harness.load_weights(reference / "final.safetensors")) == 0.0
+
+
 @pytest.mark.parametrize("model", ["sharded", "replicated"])
 def test_an_error_on_one_rank_in_a_restore_reaches_every_rank(tmp_path, reference, model):
     """Rank 1 cannot read the shards back: into its shard of the model (DCP's collective read), or into its

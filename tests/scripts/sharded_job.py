@@ -12,9 +12,10 @@ the background unless --sync). It prints "RESUMED <step>" and, for an error, "ER
 --die STEP:WHERE ends every rank at once (os._exit, like a lost runtime) at STEP: "step" after the
 optimizer step, "save" right after `save` returned (the shards still being written), "mirror" once the
 checkpoint is queued for upload. --fail R:WHERE:STEP makes rank R raise a ValueError in the save of
-STEP: "files" while writing its own files, "state" while taking the state DCP saves, "shards" inside DCP's
-write; "restore" (STEP 0) while DCP reads the shards back. --linger S keeps that rank alive S seconds after
-its error, as a notebook kernel stays. --no-shard keeps the model plain on every rank (DDP's replicas).
+STEP: "files" while writing its own files, "state" while taking the state DCP saves, "start" while starting
+the background save, "shards" inside DCP's write; "restore" (STEP 0) while DCP reads the shards back;
+--keep-going trains on after a failed save, as a user runs the cell again. --linger S keeps that rank
+alive S seconds after its error, as a notebook kernel stays. --no-shard keeps the model plain on every rank (DDP's replicas).
 --dump-restored writes the restored model and optimizer (whole tensors) and exits; --out writes them at
 the end. --open-run NAME opens the run with
 `ck.start_run(NAME, drive=D, local_dir=L)` on every rank and takes the store from `run.checkpoint_store()`;
@@ -113,6 +114,17 @@ def inject(where: str, at_step: int, rank: int, current: dict) -> None:
             return real_state(model, optimizer)
 
         sharded.state = state
+    elif where == "start":  # starting the background save, while the other rank's has begun
+        import torch.distributed.checkpoint as dcp
+
+        real_async_save = dcp.async_save
+
+        def async_save(*a, **kw):
+            if current["step"] == at_step:
+                raise ValueError(message)
+            return real_async_save(*a, **kw)
+
+        dcp.async_save = async_save
     elif where == "restore":  # reading the shards back
         from torch.distributed.checkpoint.filesystem import FileSystemReader
 
@@ -192,7 +204,12 @@ def train(args, rank: int, world: int):
         if args.die == (step, "step"):
             os._exit(9)
         if step % args.every == 0:
-            store.save(step, model=model, optimizer=optimizer, seen=step)
+            try:
+                store.save(step, model=model, optimizer=optimizer, seen=step)
+            except Exception as exc:  # noqa: BLE001 - --keep-going: as a notebook user runs the cell again
+                if not args.keep_going:
+                    raise
+                print(f"SAVE FAILED {type(exc).__name__}: {exc}", flush=True)
             if args.die == (step, "save"):
                 os._exit(9)
             if args.die == (step, "mirror"):
@@ -220,6 +237,7 @@ def main() -> None:
     parser.add_argument("--trainer-layout")
     parser.add_argument("--open-run")
     parser.add_argument("--no-shard", action="store_true")
+    parser.add_argument("--keep-going", action="store_true")
     parser.add_argument("--step-sleep", type=float, default=0.0)
     parser.add_argument("--look-spacing", type=float, default=None,
                         help="the first wait between looks (the kit's: 1 s), as in tiny_job.py")
