@@ -82,7 +82,7 @@ def ranks_main(args) -> None:
             mode["store"].save(mode["step"], model=mode["model"], optimizer=mode["opt"])
             if turn > 0:
                 mode["pauses"].append(time.perf_counter() - started)
-    shard_bytes = sharding.state_bytes(modes["async"]["model"], modes["async"]["opt"])
+    shard_bytes = sharding.state_bytes(sharding.state(modes["async"]["model"], modes["async"]["opt"]))
     for mode in modes.values():
         mode["store"].close()
     if rank == 0:
@@ -108,29 +108,18 @@ def staged_bytes() -> list[int]:
     """Count the bytes of every state dict DCP's stager copies for an async save (appended to the list)."""
     from torch.distributed.checkpoint import staging
 
+    from colab_kit.distributed import sharded as sharding
+
     counted: list[int] = []
     real = staging.DefaultStager._stage
 
     def stage(self, state_dict, **kwargs):
         staged = real(self, state_dict, **kwargs)
-        counted.append(tensor_bytes(staged))
+        counted.append(sharding.state_bytes(staged))
         return staged
 
     staging.DefaultStager._stage = stage
     return counted
-
-
-def tensor_bytes(obj) -> int:
-    import torch
-
-    if isinstance(obj, torch.Tensor):
-        local = obj.to_local() if hasattr(obj, "to_local") else obj
-        return local.numel() * local.element_size()
-    if isinstance(obj, dict):
-        return sum(tensor_bytes(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(tensor_bytes(v) for v in obj)
-    return 0
 
 
 def async_ram(mode: dict, process) -> tuple[int, int]:

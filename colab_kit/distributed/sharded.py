@@ -28,7 +28,8 @@ from . import ranks
 from .ranks import group
 
 __all__ = ["SHARDS", "is_sharded", "state", "has_optimizer", "ShardWriter", "read", "apply", "load_whole_model",
-           "named_optimizer_state", "load_whole_optimizer", "own_error", "state_bytes"]
+           "named_optimizer_state", "load_whole_optimizer", "own_error", "state_bytes",
+           "room_for_copy"]
 
 SHARDS = "shards"  # the DCP folder inside a CheckpointStore checkpoint
 _BACKGROUND_MINUTES = 60  # a background save's collectives wait this long for the other ranks' threads
@@ -73,28 +74,27 @@ def state(model, optimizer) -> dict:
     return {"model": model_state, **({"optimizer": optim_state} if optimizer is not None else {})}
 
 
-def state_bytes(model, optimizer) -> int:
-    """Bytes of this rank's shards of the model and optimizer: what an async save copies to host RAM."""
+def state_bytes(state) -> int:
+    """Bytes of this rank's tensors in `state` (from `state()`): what an async save copies to host RAM."""
     import torch
 
-    total = 0
+    if isinstance(state, torch.Tensor):
+        local = state.to_local() if hasattr(state, "to_local") else state
+        return local.numel() * local.element_size()
+    if isinstance(state, dict):
+        return sum(state_bytes(value) for value in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(state_bytes(value) for value in state)
+    return 0
 
-    def add(obj):
-        nonlocal total
-        if isinstance(obj, torch.Tensor):
-            local = obj.to_local() if hasattr(obj, "to_local") else obj
-            total += local.numel() * local.element_size()
-        elif isinstance(obj, dict):
-            for value in obj.values():
-                add(value)
-        elif isinstance(obj, (list, tuple)):
-            for value in obj:
-                add(value)
 
-    add(dict(model.state_dict()))
-    if optimizer is not None:
-        add(optimizer.state_dict()["state"])
-    return total
+def room_for_copy(state) -> tuple[bool, int, int]:
+    """Whether host RAM has room for an async save's copy of `state`: (at most half of what is available,
+    the copy's bytes, the bytes available). Half: the training loop goes on beside the copy."""
+    import psutil
+
+    need, free = state_bytes(state), int(psutil.virtual_memory().available)
+    return need <= free // 2, need, free
 
 
 class ShardWriter:

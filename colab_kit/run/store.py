@@ -31,6 +31,7 @@ from pathlib import Path
 
 from ..checkpoints.clock import clock
 from .._notices import Notices
+from .._units import format_bytes
 from ..checkpoints import storage
 from ..checkpoints.checkpoint import CHECKPOINTS, checkpoint_dir, list_checkpoints, model_signature
 from ..checkpoints.journal import EVENTS, Journal
@@ -39,11 +40,11 @@ from ..distributed import ranks, sharded
 from ..distributed.agreement import agree_outcome
 from ..drive.drivefs import folder_kind
 from ..drive.mirror import Mirror
-from ..errors import CheckpointError, ColabKitError, LeaseLostError
 from . import statefiles
 from .finish import wait_a_while
 from .storefind import check_fits, find_checkpoint
 from .storeload import restore_into
+from .storerules import refuse_launch, refuse_unusable
 
 __all__ = ["CheckpointStore"]
 
@@ -86,7 +87,7 @@ class CheckpointStore:
         if int(keep) < 1:
             raise ValueError(f"keep={keep!r}: keep at least 1 checkpoint")
         self.dir, self.keep, self.async_save = Path(dir), int(keep), bool(async_save)
-        _refuse_launch(ranks.detect())  # the same answer on every rank (the launcher's environment): nobody waits
+        refuse_launch(ranks.detect())  # the same answer on every rank (the launcher's environment): nobody waits
         self._rank, self._world = ranks.place()
         self._writer = self._rank == 0
         self._pg = ranks.side_group(_AGREE_MINUTES) if self._world > 1 else None
@@ -149,7 +150,7 @@ class CheckpointStore:
                                                                       scheduler, scaler, extra), _SAVE, step)
             if is_sharded:  # each of these either reaches DCP's collectives on every rank or fails before any
                 state = self._agreed(lambda: sharded.state(model, optimizer), _SAVE, step)
-                self._start(staging, state, background, step)
+                self._start(staging, state, background and self._room_for_copy(state, step), step)
         except BaseException:
             self._discard(staging)
             raise
@@ -166,9 +167,19 @@ class CheckpointStore:
             self._shards.abandon()
             raise
 
+    def _room_for_copy(self, state: dict, step: int) -> bool:
+        """Every rank has host RAM for its async copy (else all save in the foreground: one kind of save)."""
+        fits, need, _ = sharded.room_for_copy(state)
+        short = ranks.all_agree(fits, self._pg)
+        if short and self._writer:
+            self._notices.add(f"checkpoint-{step} is written in the foreground: a background save copies each "
+                              f"rank's shards to host RAM first ({format_bytes(need)} on rank 0), and rank(s) "
+                              f"{short} have less than twice their copy's size free")
+        return not short
+
     def _write_rank_files(self, step, staging, is_sharded, model, optimizer, scheduler, scaler, extra) -> dict:
         if self._writer:
-            self._refuse_if_unusable(step)
+            refuse_unusable(self, step)
             self._adopt()
         statefiles.write_rank_files(staging, self._rank, self._world, sharded=is_sharded, model=model,
                                     optimizer=optimizer, scheduler=scheduler, scaler=scaler, extra=extra)
@@ -215,18 +226,6 @@ class CheckpointStore:
             raise
         self._show()
         return final
-
-    def _refuse_if_unusable(self, step: int) -> None:
-        if self._closed:
-            raise CheckpointError("this CheckpointStore is closed; create a new one to save again")
-        if self._mirror.closed:  # the run it came from is finished: nothing would copy this checkpoint
-            raise CheckpointError(f"the run this CheckpointStore belongs to is finished, so checkpoint-{int(step)} "
-                                  f"would never reach {self.dir}: run start_run again and take a new "
-                                  f"store from it (run.checkpoint_store()); it resumes from the newest checkpoint")
-        if self._mirror.paused:  # the lease was lost: another runtime writes the folder now
-            raise LeaseLostError(f"{self._mirror.unsynced_reason}: checkpoint-{int(step)} is not saved, and this "
-                                 f"runtime should train no further. Continue in the runtime that took over; or, to "
-                                 f"take the run back here, run the start_run cell again with takeover=True")
 
     # -- restoring ---------------------------------------------------------------------------
     def restore_latest(self, model=None, optimizer=None, scheduler=None, scaler=None, *,
@@ -335,15 +334,3 @@ class CheckpointStore:
                 self._mirror.close()
             self._closed = True
 
-
-def _refuse_launch(here: ranks.Ranks) -> None:
-    if here.nodes > 1:
-        raise ColabKitError(
-            f"CheckpointStore under {here.describe()}: each machine's ranks would write their share of a "
-            f"checkpoint to that machine's disk, and the kit mirrors one folder, rank 0's, so no checkpoint "
-            f"would be complete. Train on one machine, or use the HF Trainer with run.train, which gathers "
-            f"every rank's RNG state and fetches per machine")
-    if here.distributed and ranks.group() is None:
-        raise ColabKitError(f"WORLD_SIZE={here.world_size} but torch.distributed is not initialised, so the ranks "
-                            f"cannot save and restore together: call dist.init_process_group() (or create the "
-                            f"model with FSDP/DDP) before creating the CheckpointStore")

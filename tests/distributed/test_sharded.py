@@ -212,6 +212,16 @@ def test_after_a_background_save_failed_to_start_on_one_rank_the_next_saves_work
     assert harness.max_abs_diff(final, harness.load_weights(reference / "final.safetensors")) == 0.0
 
 
+def test_without_host_ram_for_the_copy_every_rank_saves_in_the_foreground(tmp_path, reference):
+    """Rank 1 has too little host RAM for an async save's copy of its shards: every rank saves in the
+    foreground (one kind of save for all), rank 0 says why, and nothing else changes."""
+    said = run_to_end(tmp_path, 2, "--short-of-ram", 1, "--out", tmp_path / "final.safetensors")
+    assert "checkpoint-2 is written in the foreground" in said and "rank(s) [1] have less than twice" in said, said
+    assert validity.check(tmp_path / "drive" / "checkpoints" / "checkpoint-8").valid
+    final = harness.load_weights(tmp_path / "final.safetensors")
+    assert harness.max_abs_diff(final, harness.load_weights(reference / "final.safetensors")) == 0.0
+
+
 @pytest.mark.parametrize("model", ["sharded", "replicated"])
 def test_an_error_on_one_rank_in_a_restore_reaches_every_rank(tmp_path, reference, model):
     """Rank 1 cannot read the shards back: into its shard of the model (DCP's collective read), or into its

@@ -14,7 +14,8 @@ optimizer step, "save" right after `save` returned (the shards still being writt
 checkpoint is queued for upload. --fail R:WHERE:STEP makes rank R raise a ValueError in the save of
 STEP: "files" while writing its own files, "state" while taking the state DCP saves, "start" while starting
 the background save, "shards" inside DCP's write; "restore" (STEP 0) while DCP reads the shards back;
---keep-going trains on after a failed save, as a user runs the cell again. --linger S keeps that rank
+--keep-going trains on after a failed save, as a user runs the cell again; --short-of-ram R makes rank R
+see 40 kB of available host RAM. --linger S keeps that rank
 alive S seconds after its error, as a notebook kernel stays. --no-shard keeps the model plain on every rank (DDP's replicas).
 --dump-restored writes the restored model and optimizer (whole tensors) and exits; --out writes them at
 the end. --open-run NAME opens the run with
@@ -171,6 +172,11 @@ def train(args, rank: int, world: int):
         fully_shard(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     current = {"step": 0}
+    if args.short_of_ram == rank:  # this rank's host RAM says 40 kB are available
+        import psutil
+
+        real_memory = psutil.virtual_memory
+        psutil.virtual_memory = lambda: real_memory()._replace(available=40_000)
     if args.trainer_layout:
         for step in (1, 2):
             x, y = rows(step, rank, world)
@@ -238,6 +244,7 @@ def main() -> None:
     parser.add_argument("--open-run")
     parser.add_argument("--no-shard", action="store_true")
     parser.add_argument("--keep-going", action="store_true")
+    parser.add_argument("--short-of-ram", type=int, default=None)
     parser.add_argument("--step-sleep", type=float, default=0.0)
     parser.add_argument("--look-spacing", type=float, default=None,
                         help="the first wait between looks (the kit's: 1 s), as in tiny_job.py")
