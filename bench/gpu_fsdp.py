@@ -12,7 +12,8 @@ the end-to-end check for a machine with 2 GPUs:
 
 1. reference: BERT-base (built from its config: no download) on random token ids, `ck.start_run` +
    `run.train`, FSDP2 with sharded state dicts, a checkpoint every --save-every steps, --steps steps;
-2. killed: the same run in a fresh folder, every rank ended with os._exit at --kill-at (a lost runtime);
+2. killed: the same run in a fresh folder, every rank ended with os._exit at --kill-at (a lost runtime),
+   once the checkpoint before it is written to the run folder;
 3. resumed: the same command again: `start_run` finds the newest checkpoint that verifies in the run
    folder and `run.train` resumes it through accelerate's FSDP loaders.
 
@@ -29,6 +30,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 
@@ -65,9 +67,17 @@ def rank_main(args) -> None:
         save_steps=args.save_every, **sharding)
 
     class Kill(TrainerCallback):
+        """At --kill-at, once the last checkpoint is written to the run folder: every rank ends at once."""
+
         def on_step_end(self, args_, state, control, **kwargs):
-            if args.kill_at and state.global_step == args.kill_at:
-                os._exit(9)
+            if not args.kill_at or state.global_step != args.kill_at:
+                return
+            saved = state.global_step // args.save_every * args.save_every
+            deadline = time.monotonic() + 300
+            while run.ranks.writer and (run.mirror.written_step or 0) < saved and time.monotonic() < deadline:
+                time.sleep(0.2)
+            torch.distributed.barrier()
+            os._exit(9)
 
     trainer = Trainer(model=model, args=training, train_dataset=data, callbacks=[*run.callbacks(), Kill()])
     run.train(trainer)
@@ -98,8 +108,14 @@ def main() -> int:
     parser.add_argument("--out")
     args = parser.parse_args()
     if args.rank_main:
+        import torch.distributed as dist
+
         rank_main(args)
-        return 0
+        dist.barrier()
+        dist.destroy_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)  # gloo torn down during interpreter shutdown can abort a finished rank (README)
     import torch
 
     if args.cpu_smoke:
