@@ -104,7 +104,7 @@ class CheckpointStore:
         try:
             self._agreed(lambda: self._open(_journal, _mirror), _OPEN)
         except BaseException:
-            if self._owns_mirror:
+            if self._owns_mirror and self._mirror is not None:
                 self._mirror.close()
             raise
         # What is already in the folder is adopted (and may be pruned) only after restore_latest has
@@ -150,7 +150,8 @@ class CheckpointStore:
                                                                       scheduler, scaler, extra), _SAVE, step)
             if is_sharded:  # each of these either reaches DCP's collectives on every rank or fails before any
                 state = self._agreed(lambda: sharded.state(model, optimizer), _SAVE, step)
-                self._start(staging, state, background and self._room_for_copy(state, step), step)
+                background = background and self._room_for_copy(state, step)
+                self._start(staging, state, background, step)
         except BaseException:
             self._discard(staging)
             raise
@@ -169,7 +170,7 @@ class CheckpointStore:
 
     def _room_for_copy(self, state: dict, step: int) -> bool:
         """Every rank has host RAM for its async copy (else all save in the foreground: one kind of save)."""
-        fits, need, _ = sharded.room_for_copy(state)
+        fits, need, _ = self._agreed(lambda: sharded.room_for_copy(state), _SAVE, step)
         short = ranks.all_agree(fits, self._pg)
         if short and self._writer:
             self._notices.add(f"checkpoint-{step} is written in the foreground: a background save copies each "

@@ -214,7 +214,12 @@ def test_after_a_background_save_failed_to_start_on_one_rank_the_next_saves_work
 
 def test_without_host_ram_for_the_copy_every_rank_saves_in_the_foreground(tmp_path, reference):
     """Rank 1 has too little host RAM for an async save's copy of its shards: every rank saves in the
-    foreground (one kind of save for all), rank 0 says why, and nothing else changes."""
+    foreground (one kind of save for all: published before `save` returns), rank 0 says why, and nothing else
+    changes."""
+    (tmp_path / "first").mkdir()
+    killed = launch(tmp_path / "first", 2, "--short-of-ram", 1, "--die", "2:save", name="killed")
+    assert killed.wait(timeout=180) == 9, killed.communicate()[0][-3000:]
+    assert (tmp_path / "first" / "local" / "checkpoint-2" / "shards" / ".metadata").is_file()
     said = run_to_end(tmp_path, 2, "--short-of-ram", 1, "--out", tmp_path / "final.safetensors")
     assert "checkpoint-2 is written in the foreground" in said and "rank(s) [1] have less than twice" in said, said
     assert validity.check(tmp_path / "drive" / "checkpoints" / "checkpoint-8").valid
