@@ -116,21 +116,20 @@ def barrier() -> None:
         dist.barrier()
 
 
-def from_writer(value: bool, pg=None) -> bool:
-    """Rank 0's `value` on every rank (one small broadcast): a decision only rank 0 can make. `pg`: a process
-    group over every rank (`side_group`) instead of the default one."""
+def from_writer(value: bool) -> bool:
+    """Rank 0's `value` on every rank (one small broadcast): a decision only rank 0 can make."""
     dist = group()
     if dist is None:
         return value
     import torch
 
-    flag = torch.tensor([int(bool(value))], device=_device(dist, pg))
-    dist.broadcast(flag, src=0, group=pg)
+    flag = torch.tensor([int(bool(value))], device=_device(dist))
+    dist.broadcast(flag, src=0)
     return bool(flag.item())
 
 
 def broadcast_object(obj, pg=None):
-    """Rank 0's `obj` (picklable) on every rank."""
+    """Rank 0's `obj` (picklable) on every rank; `pg`: a group from `side_group` instead of the default one."""
     dist = group()
     if dist is None:
         return obj

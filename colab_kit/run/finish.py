@@ -37,7 +37,7 @@ def finish_run(run, timeout: float | None, status: str, *, flush: bool = False, 
             run._finished = True
             run._summary = run.status() | {"status": status, "synced": None, "in_cloud": None}  # rank 0 knows
         return dict(run._summary)
-    for store in list(run._stores):  # its next call would publish it, a collective this cell cannot make
+    for store in list(getattr(run, "_stores", ())):  # its next call would publish it: a collective, not here
         if store.pending_step is not None:
             run.notices.add(f"checkpoint-{store.pending_step} was still being written in the background by "
                             f"run.checkpoint_store(), so it is not saved: call store.close() (on every rank) "

@@ -144,3 +144,15 @@ def test_a_save_killed_halfway_leaves_no_staging_behind_at_the_next_start(drive,
     with ck.CheckpointStore(drive, local_dir=local):
         pass
     assert not abandoned.exists() and live.exists()
+
+
+def test_finishing_the_run_names_a_background_save_the_store_has_not_finished(drive, local, capsys):
+    """A sharded save still written in the background is published by the store's next call (a collective
+    of every rank); run.finish() cannot make it, so it says which checkpoint is not saved and what to do."""
+    run = ck.start_run("plain", drive=drive, local_dir=local, quiet=True)
+    store = run.checkpoint_store()
+    store._pending = (7, local / "staging", {})  # what an async save leaves until the next call
+    run.finish()
+    said = capsys.readouterr()
+    assert "checkpoint-7 was still being written in the background" in said.out + said.err
+    assert "call store.close() (on every rank) before run.finish()" in said.out + said.err
