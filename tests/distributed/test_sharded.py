@@ -115,11 +115,7 @@ def test_a_sharded_run_on_drivefs_with_an_upload_backlog_killed_at_random_moment
             resumed = int(said.split("RESUMED ")[1].split()[0])
             assert resumed == expect, f"cycle {cycle}: resumed from {resumed}, the cloud held {expect}"
             resumes.append(resumed)
-        for event in read_events(journal) if journal.exists() else []:
-            if event["event"] == "cloud" and "step" in event:
-                reported.add(event["step"])
-            elif event["event"] == "prune":
-                reported -= set(event["steps"])
+        reported = harness.reported_in_cloud(read_events(journal) if journal.exists() else [], reported)
         valid = {step for step, path in list_checkpoints(cloud) if validity.check(path).valid} if cloud.exists() \
             else set()
         complete_once |= bool(valid)

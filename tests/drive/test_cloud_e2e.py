@@ -64,17 +64,6 @@ def kill_cycle(job: harness.Job, drive, after: str, delay: float) -> tuple[bool,
     return killed, text, events
 
 
-def reported_in_cloud(events: list, reported: set[int]) -> set[int]:
-    """Steps the journal reports in the cloud and not pruned since, after `events`."""
-    reported = set(reported)
-    for event in events:
-        if event["event"] == "cloud" and "step" in event:
-            reported.add(event["step"])
-        elif event["event"] == "prune":
-            reported -= set(event["steps"])
-    return reported
-
-
 @pytest.fixture(scope="module")
 def heavy_reference(tmp_path_factory, shared_tmp):
     return harness.reference_weights(tmp_path_factory.mktemp("ref"), "trainer", steps=60, save_every=5, extra=HEAVY,
@@ -99,7 +88,7 @@ def disconnect_scenario(tmp_path, drive, reference, *, seed: int, kills_wanted: 
         resumed = harness.resumed_from(text)
         if expect_resume is not None and resumed is not None:
             assert resumed == expect_resume, f"cycle {cycle}: resumed from {resumed}, the cloud held {expect_resume}"
-        reported = reported_in_cloud(events, reported)
+        reported = harness.reported_in_cloud(events, reported)
         claims += len([e for e in events if e["event"] == "cloud"])
         valid = cloud_valid_steps(drive, job.name)
         complete_once |= bool(valid)

@@ -211,3 +211,14 @@ def _reference(root: Path, loop: str, steps: int, save_every, extra) -> dict:
     code, text = job.run()
     assert code == 0, text[-3000:]
     return load_weights(root / "final.safetensors")
+
+
+def reported_in_cloud(events: list, reported: set[int]) -> set[int]:
+    """Steps the journal reports in the cloud and not pruned since, after `events`."""
+    reported = set(reported)
+    for event in events:
+        if event["event"] == "cloud" and "step" in event:
+            reported.add(event["step"])
+        elif event["event"] == "prune":
+            reported -= set(event["steps"])
+    return reported
