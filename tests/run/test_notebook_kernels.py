@@ -1,4 +1,4 @@
-"""The notebooks as people use them (issue 28), in real Jupyter kernels (`tests/scripts/kernels.py`): the stop
+"""The notebooks as people use them (issue 28), in real Jupyter kernels (`tests/scripts/notebook_kernel.py`): the stop
 button mid-step and the cells run again, a trainer kept from an earlier run, a changed learning rate, a second
 kernel taking the run over, a full local disk, a full persistent folder and a deleted run folder.
 
@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from kernels import NotebookKernel
+from notebook_kernel import NotebookKernel
 from project import ROOT
 
 from colab_kit.checkpoints.checkpoint import list_checkpoints
