@@ -56,7 +56,8 @@ def stamp(path: Path) -> tuple[int, int]:
 def take_snapshot(source: str | Path, snapshots_root: str | Path, step: int,
                   fingerprint: dict | None = None, kit_state: dict | None = None,
                   taken: float | None = None) -> Snapshot:
-    """Hard-link (or copy) every file of `source` into `snapshots_root/checkpoint-<step>`.
+    """Hard-link (or copy) every file of `source` into a folder of its own under `snapshots_root`
+    (`checkpoint-<step>`; `checkpoint-<step>.<n>` for a later save of the same step).
 
     Hard links cost no time or space and survive the Trainer deleting `source`. They share
     bytes with `source`, so the worker re-checks sizes and mtimes before trusting its hashes.
@@ -67,8 +68,7 @@ def take_snapshot(source: str | Path, snapshots_root: str | Path, step: int,
     """
     source = Path(source)
     needs = shards.record(source)
-    target = Path(snapshots_root) / f"checkpoint-{step}"
-    storage.remove_tree(target)
+    target = _own_folder(Path(snapshots_root), step)
     stamps = {}
     for path in storage.files_under(source):
         if path.name == MANIFEST or storage.is_temp_name(path.name):
@@ -95,6 +95,17 @@ def take_snapshot(source: str | Path, snapshots_root: str | Path, step: int,
 
 def _record(path: Path) -> Path:
     return path.with_name(path.name + ".json")
+
+
+def _own_folder(root: Path, step: int) -> Path:
+    """A folder no other snapshot uses: `checkpoint-<step>`, or `checkpoint-<step>.<n>` for a second save of the
+    same step while the first snapshot is still there (its upload may be reading it, and letting go of it must
+    never remove the newer one's files)."""
+    target, n = root / f"checkpoint-{step}", 1
+    while storage.exists(target) or storage.exists(_record(target)):
+        n += 1
+        target = root / f"checkpoint-{step}.{n}"
+    return target
 
 
 def discard(snap: Snapshot) -> None:

@@ -155,14 +155,17 @@ class Mirror(MirrorWorker):
 
     def submit(self, snapshot: Snapshot) -> None:
         """Queue `snapshot`; it replaces the queued, older ones (never the one being uploaded, nor
-        the best one: that one is uploaded first)."""
+        the best one: that one is uploaded first). A later save of the same step replaces an earlier one
+        wherever it waits, and the earlier one, if it is being uploaded, is not tried again (`_failed`)."""
         with self._cond:
             if self._closed or self._paused:
                 (keep_on_disk if self.folder_gone else discard)(snapshot)
                 return
             kept = []
             for old in self._queued:
-                if old.path == snapshot.path:  # the same step again: take_snapshot replaced its files
+                if old.step == snapshot.step:  # saved again at the same step: the later save is the one
+                    log.info("checkpoint-%d saved again before its upload: the later save replaces it", old.step)
+                    discard(old)
                     continue
                 if old.step == self.best_step:
                     kept.append(old)

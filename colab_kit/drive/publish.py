@@ -106,9 +106,7 @@ class Publisher:
             log.info("checkpoint-%d on %s repaired (%s)", snap.step, self.run_dir, ", ".join(written) or "nothing")
         elif state == "other":
             if not self._replace(target, snap, manifest):
-                self.notices.add(f"{target} holds another checkpoint of step {snap.step} (from an earlier timeline) "
-                                 f"that may be the only copy in the cloud, so it was kept and this one was not "
-                                 f"uploaded; the next checkpoint will be")
+                self._kept_other(target, snap)
                 return None
         else:  # "new": nothing there, or leftovers without a manifest
             self._check_space(snap)
@@ -154,6 +152,18 @@ class Publisher:
             raise OSError(errno.EIO, f"{target.name} could not be read ({exc})") from exc
         return self.gate.replace(there, witness,
                                  lambda: publish_folder(snap.path, target, manifest, replace=True))
+
+    def _kept_other(self, target: Path, snap: Snapshot) -> None:
+        """Say why `snap` was not uploaded: its folder holds another checkpoint of the same step, kept."""
+        if target in self.made:  # this runtime wrote it: the same step saved twice, the first save already there
+            self.notices.add(f"checkpoint-{snap.step} was saved a second time at the same step after its first save "
+                             f"had reached {self.run_dir}: the first save stays there (replacing it could leave no "
+                             f"copy in the cloud) and the second was not uploaded; the next checkpoint will be")
+            self.journal.write("warn", what="saved_twice", step=snap.step)
+            return
+        self.notices.add(f"{target} holds another checkpoint of step {snap.step} (from an earlier timeline) that may "
+                         f"be the only copy in the cloud, so it was kept and this one was not uploaded; the next "
+                         f"checkpoint will be")
 
     def _why_unconfirmed(self) -> str:
         """Why nothing is written: said with what can be seen now. A run folder missing at every look (spaced

@@ -154,7 +154,8 @@ class MirrorWorker:
         delay = self.publisher.failed(snap, exc)
         with self._cond:
             newer = any(q.step > snap.step for q in self._queued)
-            if newer and snap.step != self.best_step:  # superseded: stop retrying this one
+            again = any(q.step == snap.step for q in self._queued)  # a later save of this step: it is the one
+            if again or newer and snap.step != self.best_step:  # superseded: stop retrying this one
                 discard(snap)
                 self._current = None
             elif newer:  # the best one is retried after the newer one, which is not held up by it

@@ -76,6 +76,7 @@ class SaveScheduleCallback(TrainerCallback):
         self.run.clock.start()
         self._last_save_seconds = self.run.clock.seconds
         self._last_saved_step = state.global_step if self.run.resume_from is not None else None
+        self._at_epoch_end = None
 
     def on_step_end(self, args, state, control, **kwargs):
         self.run.poll()
@@ -84,21 +85,38 @@ class SaveScheduleCallback(TrainerCallback):
         button = getattr(self.run, "stop_button", None)
         if button is not None and button.requested:  # the stop button, pressed once: save this step, then pause
             control.should_training_stop = True
-            control.should_save = step != self._last_saved_step
+            wanted = step != self._last_saved_step
         else:
-            self._schedule(step, state, control)
-        if control.should_save:  # the Trainer writes it to local disk next: a full disk is named first
-            check_local_space(self.run, kwargs.get("model"), step)
+            wanted = self._due(step, state)
+        if wanted:
+            self._ask(step, args, state, control, kwargs.get("model"))
         return control
 
-    def _schedule(self, step: int, state, control) -> None:
+    def on_epoch_end(self, args, state, control, **kwargs):
+        if self._at_epoch_end == state.global_step and not control.should_save:  # unset since: asked for here
+            control.should_save = True
+            check_local_space(self.run, kwargs.get("model"), state.global_step)
+        self._at_epoch_end = None
+        return control
+
+    def _due(self, step: int, state) -> bool:
         due = bool(self.run.save_every_steps and step % self.run.save_every_steps == 0)
         if self.run.save_every_s is not None:
             # Each rank's clock differs: rank 0 decides, every rank saves (the Trainer's save is collective).
             due |= ranks.from_writer(self.run.clock.seconds - self._last_save_seconds >= self.interval())
         due |= bool(state.max_steps) and step >= state.max_steps  # the final state is always kept
-        if due and step != self._last_saved_step:
-            control.should_save = True
+        return due and step != self._last_saved_step
+
+    def _ask(self, step: int, args, state, control, model) -> None:
+        """Ask the Trainer to save `step`, once. With save_strategy="epoch" the Trainer saves at the end of every
+        epoch, and the last step of training ends one: a save asked for now would write that step's checkpoint
+        twice (the second save rewriting the files of the first while it uploads), so that save is left to the
+        epoch's end, where it also holds the epoch's evaluation (`on_epoch_end` makes sure it happens)."""
+        if _strategy(getattr(args, "save_strategy", None)) == "epoch" and _epoch_ends(state, control):
+            self._at_epoch_end = step
+            return
+        control.should_save = True
+        check_local_space(self.run, model, step)  # the Trainer writes it to local disk next: a full disk is named first
 
     def interval(self) -> float:
         """The time-based interval in force: `save_every`, or longer while uploads are slower."""
@@ -153,6 +171,19 @@ class SaveScheduleCallback(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         self.run.clock.stop()
+
+
+def _strategy(value) -> str:
+    """A TrainingArguments strategy as its plain name ("epoch"), whether given as a string or an enum."""
+    return str(getattr(value, "value", value) or "")
+
+
+def _epoch_ends(state, control) -> bool:
+    """Does the Trainer end an epoch right after this step? It does when training or the epoch stops here, and
+    after the epoch's last batch, where the Trainer's epoch count (epoch + batches done / batches) is whole."""
+    epoch = state.epoch
+    return bool(control.should_training_stop or control.should_epoch_stop
+                or (epoch is not None and float(epoch) > 0 and float(epoch).is_integer()))
 
 
 class DriveSyncCallback(TrainerCallback):
