@@ -230,7 +230,8 @@ def name_tied_copies(model) -> None:
     checkpoint leaves out: given the tied copy, its load re-ties it and says nothing. Only for the
     embeddings tied as the config declares (so that a saved model re-ties them too); a model that names
     such keys itself is left alone."""
-    if getattr(model, "_keys_to_ignore_on_save", None) or not getattr(model.config, "tie_word_embeddings", False):
+    config = getattr(model, "config", None)  # a plain nn.Module in a Trainer has none, and ties nothing
+    if getattr(model, "_keys_to_ignore_on_save", None) or not getattr(config, "tie_word_embeddings", False):
         return
     try:
         tied = model.get_output_embeddings().weight
