@@ -6,9 +6,10 @@ lease makes the second one stop with a clear message. A lease is *stale*, and ta
 once, when its process is gone on this host or its heartbeat is older than a few intervals.
 
 After a disconnect Colab gives the user a *new* VM (another host name) within a minute or two,
-while the dead VM's lease still looks fresh. A live lease of another host is therefore watched
-for 1.5 of its heartbeat intervals: a heartbeat that does not advance belongs to a dead runtime
-and is taken over; one that advances is refused.
+while the dead VM's lease still looks fresh. A lease of another host is therefore watched for 1.5
+of its heartbeat intervals: a heartbeat that does not change belongs to a dead runtime and is
+taken over; one that changes is refused. The time it holds is never compared with this VM's clock:
+it was written by another clock (minutes off, or set back), and lease.json can reach Drive late.
 
 A read of the lease that fails (EIO, errno 107, a file that cannot be parsed) is unknown: it is
 never taken for "released" or "no lease", and neither is a lease file missing at one look (absence
@@ -102,10 +103,10 @@ class Lease:
                     if stale is None:
                         raise self._held(previous, run_name)
                     self.took_over_because = stale
-                else:
+                else:  # another VM: only a heartbeat seen to change (or not) says whether it lives
                     watch_started = clock.monotonic()
                     try:
-                        alive = not self._dead_while_watched(previous, on_watch, run_name, quick=stale is not None)
+                        alive = not self._dead_while_watched(previous, on_watch, run_name)
                     finally:
                         self.watched_s = clock.monotonic() - watch_started
                     if alive:
@@ -175,12 +176,11 @@ class Lease:
                              f"writes this run is unknown: nothing was taken over. Run this cell again in a minute; "
                              f"if no other runtime can be using it: ck.start_run({run_name!r}, takeover=True)")
 
-    def _dead_while_watched(self, previous: LeaseInfo, on_watch, run_name: str, quick: bool = False) -> bool:
-        """Watch `previous` (another host's): True when a successful read after the watch shows the same
-        heartbeat (taken over), False when a read shows it advance (alive). Reads that fail count for
-        nothing; a lease that stays unreadable is refused. `quick`: its heartbeat is old already, so one
-        confirming read after a short pause is enough."""
-        window = min(2.0, previous.heartbeat_s) if quick else WATCH_BEATS * previous.heartbeat_s
+    def _dead_while_watched(self, previous: LeaseInfo, on_watch, run_name: str) -> bool:
+        """Watch `previous` (another host's) for `WATCH_BEATS` of its heartbeats: True when a successful read
+        after the watch shows the same heartbeat (taken over), False when a read shows it change (alive).
+        Reads that fail count for nothing; a lease that stays unreadable is refused."""
+        window = WATCH_BEATS * previous.heartbeat_s
         deadline = clock.monotonic() + window
         give_up = deadline + max(30.0, 2 * window)
         while True:
@@ -200,9 +200,7 @@ class Lease:
                 if current.session != previous.session or current.heartbeat != previous.heartbeat:
                     return False  # alive (or a third runtime claimed it)
                 if clock.monotonic() >= deadline:
-                    self.took_over_because = (f"its heartbeat is {format_age(clock.time() - current.heartbeat)} "
-                                              f"old and did not advance" if quick else
-                                              f"its heartbeat did not advance in {format_age(window)}")
+                    self.took_over_because = f"its heartbeat did not advance in {format_age(window)}"
                     return True
             elif clock.monotonic() >= give_up:
                 raise LeaseHeldError(f"the lease of {self.path.parent} (host {previous.host}) could not be read "

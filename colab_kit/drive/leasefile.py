@@ -72,17 +72,23 @@ def read_lease(path: str | Path) -> LeaseInfo | None:
 
 def lease_staleness(info: LeaseInfo, now: float | None = None, *, host: str | None = None,
                     process_start: Callable[[int], float | None] = process_start) -> str | None:
-    """Why `info` no longer protects its run (a reason), or None while it is live. `host` is this
-    machine's name (whose processes can be asked after); `process_start` asks when a pid started."""
+    """Why `info` no longer protects its run (a reason), or None while it may be live. `host` is this
+    machine's name (whose processes can be asked after); `process_start` asks when a pid started.
+
+    Only this host's leases are judged here: their heartbeat was written by this clock. Another host's
+    heartbeat time was written by another clock (minutes off, or set back), and a lease.json can reach Drive
+    late, so its age proves nothing: whether that runtime lives shows only by watching its heartbeat change
+    (`Lease.acquire`)."""
     now = clock.time() if now is None else now
     if info.released:
         return "it was released when its run finished"
-    if info.host == (host or socket.gethostname()):
-        start = process_start(info.pid)
-        if start is None:
-            return f"its process {info.pid} on this host has ended"
-        if info.pid_start is not None and abs(start - info.pid_start) > 1.0:
-            return f"process {info.pid} on this host is a different process now"
+    if info.host != (host or socket.gethostname()):
+        return None
+    start = process_start(info.pid)
+    if start is None:
+        return f"its process {info.pid} on this host has ended"
+    if info.pid_start is not None and abs(start - info.pid_start) > 1.0:
+        return f"process {info.pid} on this host is a different process now"
     age = now - info.heartbeat
     if age > STALE_AFTER_BEATS * info.heartbeat_s:
         return f"its last heartbeat was {format_age(age)} ago"

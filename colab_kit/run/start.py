@@ -264,10 +264,9 @@ def _claim(name: str, drive_dir: Path, heartbeat_s: float, takeover: bool, quiet
     lease = Lease(drive_dir, heartbeat_s=heartbeat_s)
     countdown = None if quiet else Countdown(every=10.0)
 
-    def watching(holder, left):
-        countdown.show(f"colab_kit: run folder {drive_dir} is held by host {holder.host} (last heartbeat "
-                       f"{format_age(time.time() - holder.heartbeat)} ago); checking that it is still "
-                       f"alive: {left:.0f} s left")
+    def watching(holder, left):  # its heartbeat's time is another VM's clock: only whether it changes is said
+        countdown.show(f"colab_kit: run folder {drive_dir} is held by host {holder.host}; watching whether its "
+                       f"heartbeat advances (a heartbeat every {format_age(holder.heartbeat_s)}): {left:.0f} s left")
 
     try:
         replaced = lease.acquire(takeover=takeover, run_name=name, on_watch=watching if countdown else None)

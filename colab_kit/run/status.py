@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 import sys
 import time
 from pathlib import Path
@@ -88,9 +89,12 @@ def show_status(run_dir: str, events: int, quick: bool) -> int:
         print("lease: none (no runtime is writing this run)")
     elif lease is not False:
         stale = lease_staleness(lease)
-        state = f"stale: {stale}" if stale else "live"
-        print(f"lease: host {lease.host}, pid {lease.pid}, heartbeat "
-              f"{format_age(time.time() - lease.heartbeat)} ago ({state})")
+        if lease.host == socket.gethostname() or stale:
+            print(f"lease: host {lease.host}, pid {lease.pid}, heartbeat {format_age(time.time() - lease.heartbeat)} "
+                  f"ago ({f'stale: {stale}' if stale else 'live'})")
+        else:  # another VM's clock wrote its time: whether it lives shows only by watching it change
+            print(f"lease: host {lease.host}, pid {lease.pid}, a heartbeat every {format_age(lease.heartbeat_s)} "
+                  f"(another VM: whether it lives shows by watching its heartbeat advance, as start_run does)")
     checkpoints = list_checkpoints(root / CHECKPOINTS)
     if (root / FINAL).is_dir():
         checkpoints.append((None, root / FINAL))

@@ -82,10 +82,46 @@ def test_takeover_replaces_a_live_lease(drive):
     assert previous.host == "other-vm" and read_lease(drive).session == lease.info.session
 
 
-def test_old_heartbeat_is_stale(drive):
-    _foreign_lease(drive, heartbeat=time.time() - 5 * 30)
-    assert "heartbeat" in lease_staleness(read_lease(drive))
-    assert Lease(drive).acquire().host == "other-vm"
+def test_an_old_heartbeat_is_stale_on_this_host_and_watched_on_another(drive):
+    import os
+
+    import psutil
+
+    parent = psutil.Process(os.getppid())  # alive: only the heartbeat's age can make it stale here
+    _foreign_lease(drive, host=socket.gethostname(), pid=parent.pid, pid_start=parent.create_time(),
+                   heartbeat=time.time() - 5 * 30)
+    assert "heartbeat was 3 min" in lease_staleness(read_lease(drive))  # one clock: its age means something
+    _foreign_lease(drive, heartbeat=time.time() - 5 * 30, heartbeat_s=0.4)
+    assert lease_staleness(read_lease(drive)) is None  # another VM's clock: its age proves nothing
+    lease = Lease(drive)
+    assert lease.acquire().host == "other-vm"
+    assert lease.watched_s >= 1.5 * 0.4 and "did not advance" in lease.took_over_because
+
+
+def test_a_live_owner_whose_clock_is_minutes_behind_is_refused_not_taken_in_two_seconds(drive):
+    """Issue 38, finding 4: a heartbeat "10 minutes old" by this VM's clock, from a VM whose clock is 10
+    minutes behind (or whose lease.json reached Drive late), took the quick path: one read after 2 s, and a
+    heartbeat every 3 s was not seen to advance. Only a heartbeat seen to change counts."""
+    import threading
+
+    skew = -600.0
+    info = _foreign_lease(drive, heartbeat=time.time() + skew, heartbeat_s=3.0)
+    stop = threading.Event()
+
+    def beat():  # the other VM, alive, beating every 3 s by its own (slow) clock
+        while not stop.wait(3.0):
+            info.heartbeat = time.time() + skew
+            (drive / LEASE).write_text(json.dumps(asdict(info)))
+
+    thread = threading.Thread(target=beat)
+    thread.start()
+    try:
+        with pytest.raises(LeaseHeldError, match="advanced while this runtime watched it"):
+            Lease(drive).acquire(run_name="rna")
+    finally:
+        stop.set()
+        thread.join()
+    assert read_lease(drive).session == "theirs"
 
 
 def test_dead_process_on_this_host_is_stale(drive):
