@@ -195,6 +195,7 @@ class History:
     confirmed: set[int] = field(default_factory=set)
     started: bool = False  # a runtime opened the run before (an empty listing is then looked at again)
     found: bool = False  # the journal file was there
+    occupied: bool = False  # the run folder showed checkpoints or a journal at a look (`search.read_told`)
 
     @property
     def expected(self) -> set[int]:

@@ -26,12 +26,12 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from .clock import clock
-from . import storage, validity
-from .checkpoint import checkpoint_dir, list_checkpoints
-from .journal import History
+from . import looks, storage, validity
+from .checkpoint import CHECKPOINTS, checkpoint_dir, list_checkpoints
+from .journal import EVENTS, History, read_history
 from .manifest import Manifest, write_manifest
 
-__all__ = ["RETRY_WAITS", "Found", "Search", "fetch_checkpoint", "search_checkpoints", "find_latest"]
+__all__ = ["RETRY_WAITS", "Found", "Search", "read_told", "fetch_checkpoint", "search_checkpoints", "find_latest"]
 
 # Seconds between the looks at checkpoints that could not be read (EIO, errno 107, a stall) or that miss a
 # file: doubt costs time first (11 s in all, once for a whole search; longer than Drive hides a file for).
@@ -105,6 +105,35 @@ def fetch_checkpoint(source: Path, manifest: Manifest, local_root: Path) -> Path
     return target
 
 
+def read_told(run_dir: Path, local_copy: Path | None = None) -> History:
+    """What the journal of the run folder `run_dir` (and its `local_copy`) says, with whether the folder holds
+    anything at all (`History.occupied`).
+
+    "Nothing here" is decided only by looks spaced in time (`looks.again`) that agree across the checkpoints'
+    listing and the journal together: a busy mount can show an empty `checkpoints/` and no journal for a few
+    seconds, and a fresh start over whole checkpoints would then write over them. Neither piece alone, nor two
+    listings a moment apart, settles it. A look that cannot read a piece counts as something there.
+
+    Raises:
+        OSError: the journal could not be read (what it says is unknown).
+    """
+    def look() -> tuple[bool, bool]:
+        try:
+            listed = bool(list_checkpoints(run_dir / CHECKPOINTS))
+        except OSError:
+            listed = True
+        try:
+            journal = storage.exists(run_dir / EVENTS)
+        except OSError:
+            journal = True
+        return listed, journal
+
+    occupied = any(looks.again(look, lambda seen: not any(seen)))
+    told = read_history(run_dir / EVENTS, local_copy, expected=occupied)
+    told.occupied = occupied or told.found
+    return told
+
+
 def _listing(origin: str, root: Path, told: History, waits) -> tuple[dict[int, Path] | None, str]:
     """The checkpoints under `root` ({step: folder}, or None and why when it cannot be listed). On Drive,
     a listing that lacks a checkpoint the journal expects is taken again after each of `waits`, and
@@ -122,7 +151,7 @@ def _listing(origin: str, root: Path, told: History, waits) -> tuple[dict[int, P
             problem = "the folder is missing"
         except OSError as exc:
             problem = f"the folder could not be listed ({exc.strerror or exc})"
-        if listings >= needed and not (told.expected - set(found)) and (found or not told.started):
+        if listings >= needed and not (told.expected - set(found)) and (found or not (told.started or told.occupied)):
             break
     if origin == "drive":  # what the journal says is there, in no listing: looked at directly all the same
         for unseen in told.expected - set(found):

@@ -17,8 +17,8 @@ from pathlib import Path
 from .._notices import Notices
 from ..checkpoints import storage
 from ..checkpoints.checkpoint import ARCHIVE, CHECKPOINTS, KIT_STATE, list_checkpoints
-from ..checkpoints.journal import EVENTS, History, Journal, read_history
-from ..checkpoints.search import RETRY_WAITS, Found, Search, search_checkpoints
+from ..checkpoints.journal import EVENTS, History, Journal
+from ..checkpoints.search import RETRY_WAITS, Found, Search, read_told, search_checkpoints
 from ..errors import DriveError
 from .best import fetch_best, recorded_best
 
@@ -47,11 +47,7 @@ def find_resume(name: str, drive_dir: Path, local: Path, *, resume, notices: Not
     """
     places = [("drive", drive_dir / CHECKPOINTS), ("local", local)]
     try:
-        has_checkpoints = bool(list_checkpoints(drive_dir / CHECKPOINTS))
-    except OSError:
-        has_checkpoints = True
-    try:
-        told = read_history(drive_dir / EVENTS, local / EVENTS, expected=has_checkpoints)
+        told = read_told(drive_dir, local / EVENTS)  # "nothing here" only when looks spaced in time agree
     except OSError as exc:
         raise DriveError(f"the journal of {drive_dir} ({EVENTS}) could not be read ({exc.strerror or exc}), so "
                          f"which checkpoints reached the cloud is unknown; nothing was started, moved or deleted. "
@@ -66,7 +62,7 @@ def find_resume(name: str, drive_dir: Path, local: Path, *, resume, notices: Not
         journal.write("warn", what="invalid_checkpoint", path=str(path), reason=reason)
 
     search = search_checkpoints(places, local, on_skip=skipped,
-                                told=told if resume is True else History(started=told.started))
+                                told=told if resume is True else History(started=told.started, occupied=told.occupied))
     if search.blocked:
         raise _blocked_error(name, drive_dir, search.blocked)
     if search.unreadable:

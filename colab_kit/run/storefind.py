@@ -10,9 +10,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from .._notices import Notices
-from ..checkpoints.checkpoint import CHECKPOINTS, list_checkpoints, model_signature
-from ..checkpoints.journal import EVENTS, Journal, read_history
-from ..checkpoints.search import Found, search_checkpoints
+from ..checkpoints.checkpoint import CHECKPOINTS, model_signature
+from ..checkpoints.journal import EVENTS, Journal
+from ..checkpoints.search import Found, read_told, search_checkpoints
 from ..errors import DriveError, ResumeMismatchError
 
 __all__ = ["find_checkpoint", "check_fits"]
@@ -30,7 +30,7 @@ def find_checkpoint(folder: Path, local_dir: Path, journal: Journal, notices: No
         journal.write("warn", what="invalid_checkpoint", path=str(path), reason=reason)
 
     try:
-        told = read_history(folder / EVENTS, expected=bool(list_checkpoints(folder / CHECKPOINTS)))
+        told = read_told(folder)  # "nothing here" only when looks spaced in time agree
     except OSError as exc:
         raise DriveError(f"the journal of {folder} ({EVENTS}) could not be read ({exc}), so which checkpoints "
                          f"reached the cloud is unknown: nothing was restored or deleted. Call restore_latest() "

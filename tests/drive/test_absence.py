@@ -191,3 +191,35 @@ def test_finding_7_attributes_unreadable_at_the_start_are_asked_again(emulated_d
     summary = run.finish(timeout=30)
     assert run.durability == "drivefs" and summary["in_cloud"] is True  # before: unconfirmed to the end
     assert any(e["event"] == "cloud" for e in read_events(run.drive_dir / "events.jsonl"))
+
+
+# -- issue 38, finding 3: "is anything here" is decided by looks spaced in time, the listing and the journal together
+def test_a_busy_mount_showing_no_checkpoints_and_no_journal_for_2_s_resumes_instead_of_starting_fresh(
+        drive, local, monkeypatch):
+    from colab_kit.checkpoints import looks
+
+    run_dir = trained(drive, local, steps=30)  # checkpoints 10, 20 and 30, whole
+    monkeypatch.setattr(looks, "WAITS", (1.0, 2.0, 3.0))  # the kit's own spacing: the mount is busy for 2 s
+    list_dir, stat, read_bytes = storage.list_dir, storage.stat, storage.read_bytes
+    busy_until = time.monotonic() + 2.0
+
+    def busy(path) -> bool:
+        return time.monotonic() < busy_until and Path(path).parent == run_dir
+
+    def listing(path, *args, **kwargs):
+        return [] if busy(path) and Path(path).name == "checkpoints" else list_dir(path, *args, **kwargs)
+
+    def hiding(original):
+        def read(path, *args, **kwargs):
+            if busy(path) and Path(path).name == "events.jsonl":
+                raise enoent(str(path))
+            return original(path, *args, **kwargs)
+        return read
+
+    monkeypatch.setattr(storage, "list_dir", listing)
+    monkeypatch.setattr(storage, "stat", hiding(stat))
+    monkeypatch.setattr(storage, "read_bytes", hiding(read_bytes))
+    run = ck.start_run("t", drive=drive, local_dir=local / "new-vm", quiet=True, gauges=False)
+    assert run.resume_manifest is not None and run.resume_manifest.step == 30  # before: a fresh start over 30
+    run.finish(timeout=10)
+    assert time.monotonic() >= busy_until  # the looks outlasted the busy moment
