@@ -11,7 +11,10 @@ proof holds *now*, read afresh, never remembered:
       shows neither, no rate is guessed: the proof is an *older* checkpoint that verifies now (Drive
       uploads files in the order they were written, so whatever of the newer one reached the cloud,
       the older one reached first; and since every deletion needs an older one, the run's oldest
-      checkpoint is never deleted there);
+      checkpoint that verifies is never deleted there). A target that does not verify now (read whole
+      and not matching, or a file its manifest lists missing, after the rule that chose it looked again
+      spaced in time) holds nothing a resume could use: any other checkpoint safe now, by the same
+      evidence, vouches for it;
   (b) the target is the object that was chosen: the same resolved path and the same manifest bytes
       (through the API: the folder's id found afresh from Drive's root, and its manifest's md5 there);
   (c) this runtime holds the lease (`Lease.check()` is True, not unknown).
@@ -206,6 +209,8 @@ class CheckpointGate:
         verdict = validity.check(witness.path, step=witness.step)
         if not verdict.valid:
             return f"{witness.path.name} does not verify now ({verdict})"
+        if self._holds_no_checkpoint(target):  # newer or older, a witness safe now is enough
+            return None if self.kind in (UNCONFIRMED, PLAIN) else self._in_cloud_now(witness, verdict.manifest)
         if self.kind == UNCONFIRMED:
             if not witness.written_at < target.written_at:
                 return f"{witness.path.name} was not written before it (nothing here confirms uploads)"
@@ -215,6 +220,15 @@ class CheckpointGate:
         if self.kind == PLAIN:
             return None
         return self._in_cloud_now(witness, verdict.manifest)
+
+    @staticmethod
+    def _holds_no_checkpoint(target: Chosen) -> bool:
+        """Does `target` fail to verify now: its manifest read whole and not matching, or a file it lists missing
+        (the rule that chose it has looked again, spaced in time)? A read that fails is not an answer."""
+        if target.manifest_raw is None:
+            return False
+        verdict = validity.check(target.path, step=target.step)
+        return verdict.state == validity.INVALID or verdict.absent and verdict.manifest is not None
 
     def _in_cloud_now(self, witness: Chosen, manifest: Manifest) -> str | None:
         try:

@@ -9,8 +9,12 @@ On a plain folder, written and read back is as safe as it gets.
 Where nothing confirms uploads (a Drive mount without attributes, another network mount, and no API),
 no guess about the upload rate may delete. The kit keeps a *ladder*, whatever the rate:
 
-  - the run's oldest checkpoint (never deleted there: every deletion needs an older checkpoint to vouch
-    for it, `gate.py`), so that once one checkpoint reached the cloud, one always is there;
+  - the run's oldest checkpoint that verifies, its *anchor* (never deleted there: every deletion needs an
+    older checkpoint to vouch for it, `gate.py`), so that once one checkpoint reached the cloud, one always is
+    there. An older one that does not verify (the upload of a runtime recycled half-way: its small manifest
+    reached Drive, its model file never did) holds nothing a resume could use: it is reported, and deleted
+    through the same gate on the proof that the anchor verifies now (else it would hold every later deletion
+    back, and the folder would grow without bound);
   - every checkpoint younger than `base_s` (they may be on their way);
   - and one per doubling of age beyond it (the oldest written in each band [base, 2 base), [2 base,
     4 base), ...), so that something about half the run's age or younger is there too.
@@ -109,6 +113,7 @@ class Pruner:
     def __init__(self, root: Path, *, kind: str, keep: int, gate: CheckpointGate, ladder: Ladder = Ladder()):
         self.root, self.kind, self.keep, self.gate, self.ladder = Path(root), kind, keep, gate, ladder
         self.last_doubt: str | None = None  # why the last pass deleted nothing, when it was a doubt
+        self._reported: set[int] = set()  # checkpoints journaled as invalid (said once)
 
     def prune(self, tracker, *, protect: set[int], best: int | None, tight: bool = False) -> list[int] | None:
         """One pass: delete what the rules allow and the gate proves; returns the steps, or None when a
@@ -123,7 +128,7 @@ class Pruner:
         if followed - set(listed):  # a listing that hides a checkpoint: look again later
             return self._doubt(f"checkpoint-{min(followed - set(listed))} is missing from the listing")
         if self.kind == UNCONFIRMED:
-            plan = self._plan_ladder(listed, protect, best, tight)
+            plan = self._plan_ladder(listed, protect, best, tight, tracker.confirmed_steps(verified_only=False))
         else:
             plan = self._plan_confirmed(tracker, listed, protect, best, 1 if tight else self.keep)
         if plan is None:
@@ -168,7 +173,7 @@ class Pruner:
             return self._doubt(f"checkpoint-{newest} could not be read ({exc.strerror or exc})")
         return doomed, witness, f"checkpoint-{newest} is {'in the cloud' if self.kind != PLAIN else 'saved'}"
 
-    def _plan_ladder(self, listed: dict[int, Path], protect, best, tight: bool):
+    def _plan_ladder(self, listed: dict[int, Path], protect, best, tight: bool, confirmed: set[int]):
         chosen: dict[int, Chosen] = {}
         for step, path in listed.items():
             try:
@@ -178,17 +183,45 @@ class Pruner:
         finished = {s: c for s, c in chosen.items() if c.manifest_raw is not None}
         if len(finished) < 2:
             return [], None, ""
-        anchor = min(finished.values(), key=lambda c: (c.written_at, c.step))
-        verdict = validity.check(anchor.path, step=anchor.step)
-        if not verdict.valid:  # the anchor must verify (a read that fails is a doubt, a bad one waits)
-            return self._doubt(f"checkpoint-{anchor.step}, the oldest, does not verify now ({verdict})")
-        written = {s: c.written_at for s, c in finished.items()}
-        newest = max(finished.values(), key=lambda c: (c.written_at, c.step)).step
+        found = self._anchor(sorted(finished.values(), key=lambda c: (c.written_at, c.step)), confirmed)
+        if found is None:
+            return None
+        anchor, invalid = found
+        if anchor is None:  # nothing verifies: nothing is deleted
+            return [], None, ""
+        written = {s: c.written_at for s, c in finished.items() if c.written_at >= anchor.written_at}
+        newest = max(written, key=lambda s: (written[s], s))
         kept = ({anchor.step} if tight else ladder(written, clock.time(), self.ladder.base_s)) | set(protect) | {newest}
         if best is not None:
             kept.add(best)
-        doomed = sorted(s for s, c in chosen.items() if s not in kept and c.written_at > anchor.written_at)
-        return doomed, anchor, f"the ladder keeps checkpoint-{anchor.step} (the oldest) and one per doubling of age"
+        doomed = sorted({s for s, c in chosen.items() if s not in kept and c.written_at > anchor.written_at}
+                        | (invalid - set(protect)))
+        return doomed, anchor, f"the ladder keeps checkpoint-{anchor.step} (the oldest that verifies) and one per " \
+                               f"doubling of age"
+
+    def _anchor(self, oldest_first: list[Chosen], confirmed: set[int]):
+        """(the oldest checkpoint that verifies, or None; the steps of the older ones that do not), or None on a
+        doubt. A file missing at one look is looked at again, spaced in time (`validity.settled`): only then does
+        a checkpoint never confirmed in the cloud count as invalid."""
+        invalid: set[int] = set()
+        for chosen in oldest_first:
+            verdict = validity.check(chosen.path, step=chosen.step)
+            if verdict.absent:
+                verdict = validity.settled(chosen.path, step=chosen.step, confirmed=chosen.step in confirmed)
+            if verdict.valid:
+                return chosen, invalid
+            if verdict.state == validity.UNFINISHED:  # its manifest went at every look: no checkpoint, not ours
+                continue
+            if verdict.state != validity.INVALID:  # a read failed: unknown
+                return self._doubt(f"checkpoint-{chosen.step}, older than any that verifies, cannot be read now "
+                                   f"({verdict})")
+            invalid.add(chosen.step)
+            if chosen.step not in self._reported:
+                self._reported.add(chosen.step)
+                log.info("checkpoint-%d does not verify (%s): it goes once a newer one verifies", chosen.step,
+                         verdict.reason)
+                self.gate.journal.write("warn", what="invalid_checkpoint", step=chosen.step, reason=verdict.reason)
+        return None, invalid
 
     def _doubt(self, why: str) -> None:
         if why != self.last_doubt:

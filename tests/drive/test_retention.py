@@ -259,6 +259,41 @@ def test_where_nothing_confirms_uploads_the_ladder_keeps_one_whatever_the_rate(t
         assert event["witness"] == 10  # every deletion was vouched for by the oldest, older than it
 
 
+@pytest.mark.parametrize("damage", ["model file never arrived", "model file cut short"])
+def test_an_invalid_oldest_checkpoint_is_reported_and_goes_instead_of_holding_every_deletion_back(tmp_path, damage):
+    """Issue 38, finding 2: a runtime recycled while its first checkpoint uploaded left a manifest whose model
+    file never reached Drive. The ladder's anchor had to verify and was never a deletion target, so nothing was
+    ever deleted again: unbounded growth against the quota. The anchor is now the oldest checkpoint that
+    verifies; the invalid one is reported and goes, vouched for by it."""
+    folder = Folder(tmp_path / "checkpoints", kind=UNCONFIRMED, keep=3, base_s=600.0)
+    every = 600.0
+    for k in range(12):
+        folder.add(10 * (k + 1), written_ago=(11 - k) * every)
+    model = folder.root / "checkpoint-10" / "model.safetensors"
+    if damage == "model file never arrived":
+        model.unlink()
+    else:
+        model.write_bytes(model.read_bytes()[:100])
+    assert folder.prune() is not None
+    kept = folder.steps()
+    assert 10 not in kept and kept[0] == 20 and kept[-1] == 120  # before: nothing went, pass after pass
+    assert kept == [20, 50, 90, 110, 120]
+    events = read_events(tmp_path / "events.jsonl")
+    said = [e for e in events if e["event"] == "warn" and e.get("what") == "invalid_checkpoint"]
+    assert [e["step"] for e in said] == [10]
+    assert {e["witness"] for e in events if e["event"] == "prune"} == {20}
+
+
+def test_an_invalid_oldest_checkpoint_stays_while_nothing_newer_verifies(tmp_path):
+    folder = Folder(tmp_path / "checkpoints", kind=UNCONFIRMED, keep=3, base_s=600.0)
+    for k in range(3):
+        folder.add(10 * (k + 1), written_ago=(5 - k) * 600.0)
+    for step in (10, 20, 30):
+        (folder.root / f"checkpoint-{step}" / "optimizer.pt").write_bytes(b"x")  # none verifies
+    assert not folder.prune()  # nothing safe vouches for anything: nothing goes
+    assert folder.steps() == [10, 20, 30]
+
+
 def test_pruning_is_journaled_before_the_first_file_goes(tmp_path):
     folder = Folder(tmp_path / "checkpoints", keep=1)
     for step in (10, 20):
