@@ -8,13 +8,15 @@ proof holds *now*, read afresh, never remembered:
 
   (a) a newer checkpoint is in the cloud now, by the folder's own evidence: DriveFS's attributes, or
       Drive's API, read now; on a plain folder, the newer checkpoint verifies now. On a Drive that
-      shows neither, no rate is guessed: the proof is an *older* checkpoint that verifies now (Drive
-      uploads files in the order they were written, so whatever of the newer one reached the cloud,
-      the older one reached first; and since every deletion needs an older one, the run's oldest
-      checkpoint that verifies is never deleted there). A target that does not verify now (read whole
-      and not matching, or a file its manifest lists missing, after the rule that chose it looked again
-      spaced in time) holds nothing a resume could use: any other checkpoint safe now, by the same
-      evidence, vouches for it;
+      shows neither, no rate is guessed: the proof is a checkpoint *written before* it that verifies
+      now (a VM uploads files in the order they were written, so whatever of the later one reached the
+      cloud, the earlier one reached first; and since every deletion needs an earlier one, the run's
+      first checkpoint that verifies is never deleted there). "Written before" is never read off a
+      clock (`write_order`): what this runtime wrote is ordered by its own count, and comes after what
+      other runtimes wrote, whose order is their files' times. A target that does not verify now (read
+      whole and not matching, or a file its manifest lists missing at looks spaced in time) holds
+      nothing a resume could use: any other checkpoint safe now, by the same evidence, vouches for its
+      deletion, and a new checkpoint of its step may be written over it without one;
   (b) the target is the object that was chosen: the same resolved path and the same manifest bytes
       (through the API: the folder's id found afresh from Drive's root, and its manifest's md5 there);
   (c) this runtime holds the lease (`Lease.check()` is True, not unknown).
@@ -25,6 +27,7 @@ Anything short of that keeps the folder and journals `kept` with the reason; the
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -110,6 +113,20 @@ class CheckpointGate:
         self.lease_check, self.lease = lease_check, lease
         self.deleter = ApiDeleter(api) if kind == API else TrashFreeDeleter(kind)
         self._told: dict[str, str] = {}  # target -> the reason last journaled as kept (said once)
+        self._written: dict[str, int] = {}  # folder -> this runtime's count when it last wrote there
+        self._count = itertools.count(1)
+        self.confirmed: Callable[[], set[int]] = set  # the steps confirmed in the cloud (the tracker's)
+
+    def wrote(self, folder: Path) -> None:
+        """This runtime has just written (published, repaired, replaced) the checkpoint `folder`."""
+        self._written[str(folder)] = next(self._count)
+
+    def write_order(self, chosen: Chosen) -> tuple:
+        """When `chosen` was written, relative to the others, without asking a clock: this runtime's writes by
+        its own count, after every other runtime's (the lease was taken after they wrote), which go by the
+        time their mount gave their files. A VM's clock can be minutes off, and set back."""
+        count = self._written.get(str(chosen.path))
+        return (1, count, 0.0, chosen.step) if count is not None else (0, 0, chosen.written_at, chosen.step)
 
     @property
     def pending(self) -> list[Path]:
@@ -136,11 +153,25 @@ class CheckpointGate:
 
         return act("delete", target.path.name, proofs, delete_now, on_kept=lambda why: self._kept(target, why))
 
-    def replace(self, target: Chosen, witness: Chosen | None, write: Callable[[], object]) -> bool:
+    def replace(self, target: Chosen, witness: Chosen | None, write: Callable[[], object]) -> str | None:
         """Write another checkpoint of the same step over `target` (`write()`), on the same proofs as a
-        deletion: the one there now may be the only copy of its training in the cloud."""
-        proofs = [self._lease_held, lambda: self._same(target), lambda: self._witnessed(target, witness)]
-        return act("replace", target.path.name, proofs, write, on_kept=lambda why: self._kept(target, why))
+        deletion: the one there now may be the only copy of its training in the cloud. Over a folder that holds
+        no checkpoint now, no witness is needed. Returns None when written, else why it was kept."""
+        def vouched() -> str | None:  # over a folder that holds no checkpoint now, nothing is lost
+            return None if self._holds_no_checkpoint(target) else self._witnessed(target, witness)
+
+        def write_now():
+            self.wrote(target.path)
+            write()
+
+        kept = []
+
+        def on_kept(why: str) -> None:
+            kept.append(why)
+            self._kept(target, why)
+
+        proofs = [self._lease_held, lambda: self._same(target), vouched]
+        return None if act("replace", target.path.name, proofs, write_now, on_kept=on_kept) else kept[0]
 
     def archive(self, checkpoints: Path, to: Path) -> bool:
         """Move the checkpoints folder to `to` (nothing is deleted; a fresh start). The API's ids of the
@@ -212,7 +243,7 @@ class CheckpointGate:
         if self._holds_no_checkpoint(target):  # newer or older, a witness safe now is enough
             return None if self.kind in (UNCONFIRMED, PLAIN) else self._in_cloud_now(witness, verdict.manifest)
         if self.kind == UNCONFIRMED:
-            if not witness.written_at < target.written_at:
+            if not self.write_order(witness) < self.write_order(target):
                 return f"{witness.path.name} was not written before it (nothing here confirms uploads)"
             return None
         if witness.step <= target.step:
@@ -221,14 +252,15 @@ class CheckpointGate:
             return None
         return self._in_cloud_now(witness, verdict.manifest)
 
-    @staticmethod
-    def _holds_no_checkpoint(target: Chosen) -> bool:
+    def _holds_no_checkpoint(self, target: Chosen) -> bool:
         """Does `target` fail to verify now: its manifest read whole and not matching, or a file it lists missing
-        (the rule that chose it has looked again, spaced in time)? A read that fails is not an answer."""
+        at looks spaced in time (and never confirmed in the cloud)? A read that fails is not an answer."""
         if target.manifest_raw is None:
             return False
         verdict = validity.check(target.path, step=target.step)
-        return verdict.state == validity.INVALID or verdict.absent and verdict.manifest is not None
+        if verdict.absent and verdict.manifest is not None:
+            verdict = validity.settled(target.path, step=target.step, confirmed=target.step in self.confirmed())
+        return verdict.state == validity.INVALID
 
     def _in_cloud_now(self, witness: Chosen, manifest: Manifest) -> str | None:
         try:

@@ -102,15 +102,21 @@ class Publisher:
         if state == "same":
             log.info("checkpoint-%d is already on %s", snap.step, self.run_dir)
         elif state == "repair":
+            self.gate.wrote(target)  # counted as the writing begins: what it writes queues behind what came before
             written = repair_folder(snap.path, target, manifest)
             log.info("checkpoint-%d on %s repaired (%s)", snap.step, self.run_dir, ", ".join(written) or "nothing")
         elif state == "other":
-            if not self._replace(target, snap, manifest):
-                self._kept_other(target, snap)
+            why = self._replace(target, snap, manifest)
+            if why is not None:
+                if not validity.check(target, step=snap.step).valid:  # a doubt, or a proof still to come: retried
+                    raise OSError(errno.EAGAIN, f"{target.name} holds files of another save that could not be "
+                                                f"replaced now ({why})")
+                self._kept_other(target, snap)  # a whole checkpoint of this step stays: this one is not uploaded
                 return None
         else:  # "new": nothing there, or leftovers without a manifest
             self._check_space(snap)
             self.made.add(target)
+            self.gate.wrote(target)
             publish_folder(snap.path, target, manifest)
         return self._written(snap, target, manifest, started)
 
@@ -143,7 +149,7 @@ class Publisher:
         step = int(target.name.split("-")[-1])
         return step in self.known_steps or step in self.tracker.checkpoint_steps()
 
-    def _replace(self, target: Path, snap: Snapshot, manifest: Manifest) -> bool:
+    def _replace(self, target: Path, snap: Snapshot, manifest: Manifest) -> str | None:
         newest = self.tracker.newest_in_cloud()
         try:
             there = choose(target, snap.step)
@@ -203,7 +209,7 @@ class Publisher:
         self.journal.write("sync", step=snap.step, seconds=round(seconds, 3), bytes=manifest.total_bytes)
         log.info("checkpoint-%d written to %s (%s in %.1f s)", snap.step, self.run_dir,
                  format_bytes(manifest.total_bytes), seconds)
-        self.journal.flush(timeout=0, held=True)  # the lease was confirmed for this write, a moment ago
+        self.journal.flush(timeout=0)  # asks the lease again: the write may have taken long, and it may be lost now
         self.in_flight = upload_for(target, manifest, f"checkpoint-{snap.step}", saved=snap.taken, started=started,
                                     source=snap.path)
         return self.in_flight

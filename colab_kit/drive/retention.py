@@ -114,6 +114,7 @@ class Pruner:
         self.root, self.kind, self.keep, self.gate, self.ladder = Path(root), kind, keep, gate, ladder
         self.last_doubt: str | None = None  # why the last pass deleted nothing, when it was a doubt
         self._reported: set[int] = set()  # checkpoints journaled as invalid (said once)
+        self.again = False  # the last pass chose a checkpoint the gate kept (its proof may hold at the next)
 
     def prune(self, tracker, *, protect: set[int], best: int | None, tight: bool = False) -> list[int] | None:
         """One pass: delete what the rules allow and the gate proves; returns the steps, or None when a
@@ -135,6 +136,7 @@ class Pruner:
             return None
         doomed, witness, because = plan
         self.last_doubt = None
+        self.again = False
         deleted = []
         for step in doomed:
             try:
@@ -145,6 +147,8 @@ class Pruner:
             if done:
                 tracker.forget(f"checkpoint-{step}")
                 deleted.append(step)
+            else:
+                self.again = True
         return deleted
 
     def _plan_confirmed(self, tracker, listed: dict[int, Path], protect, best, keep: int):
@@ -183,21 +187,23 @@ class Pruner:
         finished = {s: c for s, c in chosen.items() if c.manifest_raw is not None}
         if len(finished) < 2:
             return [], None, ""
-        found = self._anchor(sorted(finished.values(), key=lambda c: (c.written_at, c.step)), confirmed)
+        order = self.gate.write_order  # written before or after: never read off a clock, which can be set back
+        found = self._anchor(sorted(finished.values(), key=order), confirmed)
         if found is None:
             return None
         anchor, invalid = found
         if anchor is None:  # nothing verifies: nothing is deleted
             return [], None, ""
-        written = {s: c.written_at for s, c in finished.items() if c.written_at >= anchor.written_at}
-        newest = max(written, key=lambda s: (written[s], s))
+        later = {s: c for s, c in finished.items() if order(c) >= order(anchor)}
+        newest = max(later.values(), key=order).step
+        written = {s: c.written_at for s, c in later.items()}  # ages: the files' times, which only choose
         kept = ({anchor.step} if tight else ladder(written, clock.time(), self.ladder.base_s)) | set(protect) | {newest}
         if best is not None:
             kept.add(best)
-        doomed = sorted({s for s, c in chosen.items() if s not in kept and c.written_at > anchor.written_at}
+        doomed = sorted({s for s, c in chosen.items() if s not in kept and order(c) > order(anchor)}
                         | (invalid - set(protect)))
-        return doomed, anchor, f"the ladder keeps checkpoint-{anchor.step} (the oldest that verifies) and one per " \
-                               f"doubling of age"
+        return doomed, anchor, f"the ladder keeps checkpoint-{anchor.step} (the first written that verifies) and " \
+                               f"one per doubling of age"
 
     def _anchor(self, oldest_first: list[Chosen], confirmed: set[int]):
         """(the oldest checkpoint that verifies, or None; the steps of the older ones that do not), or None on a
@@ -224,6 +230,7 @@ class Pruner:
         return None, invalid
 
     def _doubt(self, why: str) -> None:
+        self.again = False
         if why != self.last_doubt:
             log.info("pruning deleted nothing this time: %s", why)
         self.last_doubt = why
