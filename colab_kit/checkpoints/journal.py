@@ -25,6 +25,7 @@ __all__ = ["EVENTS", "Journal", "SilentJournal", "read_events", "History", "hist
 EVENTS = "events.jsonl"
 _INLINE_WAIT_S = 10.0
 _GONE_S = 60.0  # a journal missing at every look for this long was deleted: a new one starts
+_GUARD_FRESH_S = 1.0  # how long the guard's answer (the lease is this runtime's) is trusted while lines go
 log = logging.getLogger(__name__)
 
 
@@ -110,19 +111,21 @@ class Journal:
         if not self._flushing.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
             return False
         try:
-            if self.pending and self.guard is not None and held is not True:
-                held = self.guard()
-                if held is False:
-                    self.stop_persistent("the run folder is another runtime's now")
-                if held is not True:
-                    return False
             if self.pending and not self._there():
                 return False
+            asked = clock.monotonic() if held is True else None  # the caller has just asked the guard
             while True:
                 with self._lock:
                     if not self._pending:
                         return True
                     line = self._pending[0]
+                # Asked again before a line once a second has passed: a slow look or append may outlast the answer.
+                if self.guard is not None and (asked is None or clock.monotonic() - asked > _GUARD_FRESH_S):
+                    held, asked = self._ask_guard()
+                    if held is False:
+                        self.stop_persistent("the run folder is another runtime's now")
+                    if held is not True:
+                        return False
                 try:
                     if self._tail_suspect:  # a failed append may have written half a line
                         self._mend_torn_tail(self.path)
@@ -138,6 +141,16 @@ class Journal:
         finally:
             self._flushing.release()
 
+
+    def _ask_guard(self) -> tuple[bool | None, float]:
+        """(the guard's answer, when it was asked): an answer that took longer than `_GUARD_FRESH_S` to come
+        (a stalled read) may be stale already, so it is asked again (three times, then it is unknown)."""
+        for _ in range(3):
+            asked = clock.monotonic()
+            held = self.guard()
+            if held is not True or clock.monotonic() - asked <= _GUARD_FRESH_S:
+                return held, asked
+        return None, asked
 
     def _there(self) -> bool:
         """May lines be appended now? A journal that was there and is missing at this look is doubt: an append

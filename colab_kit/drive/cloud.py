@@ -34,7 +34,7 @@ from ..checkpoints.journal import Journal
 from ..checkpoints.manifest import MANIFEST
 from ..errors import DriveError
 from .drivefs import PLAIN, UNCONFIRMED, in_cloud
-from .uploads import Upload, cloud_files, upload_for
+from .uploads import Upload, cloud_files, learn_manifest, upload_for
 
 __all__ = ["Upload", "CloudTracker", "cloud_files", "upload_for"]
 
@@ -90,19 +90,23 @@ class CloudTracker:
         self._journal_confirmed([upload])
         return True
 
-    def adopt(self, root: Path) -> None:
+    def adopt(self, root: Path) -> bool:
         """Learn the cloud state of the checkpoints already under `root` (a restart): those in the
         cloud are known, the others are followed. What was verified (the checkpoint resumed from) is
         claimed at once, the others once they are read (`mark_verified`, from `Pruner.prune`): a `cloud`
         event with `adopted`, so that the journal knows what this runtime found in the cloud even when the
-        runtime that uploaded it died before it could say so. Unfinished, invalid and unreadable folders
-        are not followed."""
+        runtime that uploaded it died before it could say so. Unfinished and invalid folders are not
+        followed; those already followed are left as they are. Returns False when a read failed (the
+        listing, or a folder's upload state): the caller adopts again later, for what was not read."""
         try:
             listed = list_checkpoints(root)
         except OSError as exc:
             log.debug("cannot list %s yet: %s", root, exc)
-            return
+            return False
+        complete = True
         for step, path in listed:
+            if self.get(f"checkpoint-{step}") is not None:
+                continue
             verdict = validity.check(path, step=step, hashes=False)
             if verdict.state != validity.VALID and verdict.reason != validity.SIZES_MATCH:
                 log.debug("not adopting %s: %s", path, verdict)
@@ -114,10 +118,12 @@ class CloudTracker:
                 done, upload.pending_bytes = self._check(upload)
             except OSError as exc:
                 log.debug("not adopting %s yet: %s", path, exc)
+                complete = False
                 continue
             self.add(upload, confirmed=done)
             if done and upload.verified:
                 self._journal_confirmed([upload], adopted=True)
+        return complete
 
     def mark_verified(self, step: int) -> None:
         """Every byte of checkpoint `step` matches its manifest: it may now be claimed."""
@@ -190,6 +196,7 @@ class CloudTracker:
         upload.polls += 1
         if self.api is None:
             return in_cloud(upload.folder, upload.files, self.kind)
+        learn_manifest(upload)  # its size or md5, where a read failed as it was written (else nothing is read)
         expected = {name: (upload.sizes[name], md5) for name, md5 in upload.files.items() if name in upload.sizes}
         if len(expected) < len(upload.files):  # a size not known: nothing can be confirmed yet
             return False, upload.pending_bytes

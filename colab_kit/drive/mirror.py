@@ -89,6 +89,7 @@ class Mirror(MirrorWorker):
         rule_kind = PLAIN if prune_after == "written" else kind  # the old rule: written is safe everywhere
         self.gate = CheckpointGate(self.run_dir / CHECKPOINTS, kind=rule_kind, journal=journal,
                                    lease_check=self._lease_ok if lease is not None else None, api=api, lease=lease)
+        self.gate.confirmed = lambda: self.tracker.confirmed_steps(verified_only=False)
         self.pruner = Pruner(self.run_dir / CHECKPOINTS, kind=rule_kind, keep=self.keep, gate=self.gate, ladder=ladder)
         self.deferred = DeferredWrites()
         self.kept = KeptCopies(self.tracker, notices, journal)
@@ -107,6 +108,7 @@ class Mirror(MirrorWorker):
         self._retry_at = self._delete_poll_at = self._chores_at = 0.0
         self._prune_wanted = self._adopt_wanted = self._paused = self._closed = self._woken = self._pruning = False
         self._prune_at = float("inf")  # a pass is due then (a doubt to look at again, the ladder)
+        self._adopt_at = float("inf")  # what the folder held at the start is read again then (a read failed)
         self._reprobe_at = (float("inf") if kind_settled or kind != UNCONFIRMED
                             else clock.monotonic() + worker.REPROBE_S)
         self._cond = threading.Condition()

@@ -12,9 +12,9 @@ from pathlib import Path
 
 from ..checkpoints.clock import clock
 from ..checkpoints import storage
-from ..checkpoints.manifest import MANIFEST, Manifest
+from ..checkpoints.manifest import MANIFEST, Manifest, parse_manifest
 
-__all__ = ["Upload", "cloud_files", "upload_for"]
+__all__ = ["Upload", "cloud_files", "learn_manifest", "upload_for"]
 
 
 @dataclass
@@ -53,6 +53,21 @@ def cloud_files(folder: Path, manifest: Manifest) -> dict[str, str | None]:
     except OSError:
         files[MANIFEST] = None
     return files
+
+
+def learn_manifest(upload: Upload) -> None:
+    """The size and md5 of `upload`'s MANIFEST.json, where a read failed when it was written (without them Drive's
+    API can never confirm the folder): read now, and kept only when the bytes hold the same manifest.
+
+    Raises:
+        OSError: it could not be read now (the next poll tries again)."""
+    if upload.manifest is None or (MANIFEST in upload.sizes and upload.files.get(MANIFEST) is not None):
+        return
+    raw = storage.read_bytes(upload.folder / MANIFEST)
+    there = parse_manifest(raw)
+    if there is None or there.files != upload.manifest.files or there.step != upload.manifest.step:
+        return  # another manifest now: what was written is not there to confirm
+    upload.sizes[MANIFEST], upload.files[MANIFEST] = len(raw), hashlib.md5(raw).hexdigest()
 
 
 def upload_for(folder: Path, manifest: Manifest, label: str, *, saved: float | None = None,

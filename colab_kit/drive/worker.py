@@ -73,6 +73,7 @@ class MirrorWorker:
                                  self._delete_poll_at - now if self.gate.pending else None,
                                  self._chores_at - now if chores else None,
                                  self._prune_at - now if self._prune_at != float("inf") else None,
+                                 self._adopt_at - now if self._adopt_at != float("inf") else None,
                                  0.0 if self._prune_wanted or self._adopt_wanted else None) if w is not None]
         return max(0.0, min(waits + [IDLE_S]))
 
@@ -82,8 +83,9 @@ class MirrorWorker:
     def _housekeeping(self) -> None:
         if clock.monotonic() >= self._reprobe_at:
             self._reprobe()
-        if self._adopt_wanted:
-            self.tracker.adopt(self.run_dir / CHECKPOINTS)
+        if self._adopt_wanted or clock.monotonic() >= self._adopt_at:
+            read = self.tracker.adopt(self.run_dir / CHECKPOINTS)
+            self._adopt_at = float("inf") if read else clock.monotonic() + _PRUNE_AGAIN_S  # what failed: again
             with self._cond:
                 self._adopt_wanted, self._prune_wanted = False, True
                 self._cond.notify_all()
@@ -207,7 +209,7 @@ class MirrorWorker:
     def _prune(self) -> None:
         protect = {s.step for s in (self._current,) if s is not None} | self.protected
         done = self.pruner.prune(self.tracker, protect=protect, best=self.best_step)
-        if done is None:
+        if done is None or self.pruner.again:  # a doubt, or a deletion the gate kept: looked at again soon
             self._prune_at = clock.monotonic() + _PRUNE_AGAIN_S
         elif self.pruner.kind == UNCONFIRMED and len(self.tracker.checkpoint_steps()) > 1:
             self._prune_at = clock.monotonic() + _LADDER_AGAIN_S
