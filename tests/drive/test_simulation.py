@@ -1,10 +1,14 @@
-"""The durability core over ten thousand seeded, faulty Drives (issue 27), and the simulator finding each of
-f65fb4d's rules on its own when it is put back.
+"""The durability core over ten thousand seeded, faulty Drives (issues 27 and 38), and the simulator finding
+each rule it replaced on its own when that rule is put back (f65fb4d's, and 78514e6's that issue 38 found).
 
 `tests/sim/` runs the kit's own workers (the mirror, retention and the gate, the lease, confirmation and
 resume) as step functions on a virtual clock, over an in-memory Drive (each VM's cache and upload queue,
 the cloud, the Trash; DriveFS's attributes, Drive's API, or neither), with faults on every operation,
-disconnects, kernel restarts and takeovers, and checks the invariants I1-I5 after every event
+disconnects, kernel restarts and takeovers; and, since issue 38, steps saved twice (the Trainer's epoch-end
+save beside the kit's, rewriting the files in place as the first upload begins), a VM recycled while the run's
+first checkpoint uploads (its manifest in the cloud, its model file not), fresh mounts that show no
+checkpoints and no journal for their first seconds, and VMs whose clocks are minutes off or set back. It
+checks the invariants I1-I6 after every event, and I7-I8 once the faults heal at the end
 (`tests/sim/invariants.py`). A failure prints its seed, its schedule shrunk, and the end of its trace;
 `python tests/sim/simulate.py --seed N --trace` replays it.
 """
@@ -51,8 +55,11 @@ def test_no_invariant_breaks_over_thousands_of_faulty_drives(chunk):
     assert totals["schedules"] == len(seeds)
     assert set(totals["modes"]) == {"attrs", "none", "other", "api", "api-none"}  # every kind of Drive
     assert totals["long"] >= len(seeds) // 250 and totals["resumes"] > len(seeds) // 10  # 12-hour runs, many resumes
+    met = totals["happened"]  # issue 38's fault kinds, each met many times
+    assert all(met.get(kind, 0) >= len(seeds) // 25 for kind in (
+        "steps saved twice", "first uploads recycled", "busy fresh mounts", "skewed clocks", "clocks set back")), met
     print(f"chunk {chunk}: {totals['schedules']} schedules, {totals['long']} of 12 h, {totals['virtual_hours']:.0f} "
-          f"virtual hours, {totals['starts']} starts, {totals['resumes']} resumes, in {totals['seconds']:.1f} s")
+          f"virtual hours, {totals['starts']} starts, {totals['resumes']} resumes, {met}, in {totals['seconds']:.1f} s")
 
 
 @pytest.mark.slow

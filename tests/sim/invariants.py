@@ -9,13 +9,21 @@
       and never a fresh start over one; stopping to say it cannot is allowed (doubt costs time);
   I5  nothing is deleted, truncated or overwritten that the cloud holds whole unless a newer one is whole
       there too, and only by the runtime whose lease is in the cloud (where nothing confirms uploads: unless
-      another one is whole there, by a runtime whose mount shows its lease).
+      another one is whole there, by a runtime whose mount shows its lease);
+  I6  a runtime that lives and beats is never taken over unasked: no takeover without takeover=True while the
+      holder runs and its heartbeat reached the cloud less than a heartbeat interval before;
+and once the faults healed and the runtime holding the run had the time its uploads need (`World._wind_down`):
+  I7  what it saved last is whole in the cloud (a save is never lost on the way, nor said to be safe when not);
+  I8  retention made progress: the folder holds no more checkpoints than the rules keep (`keep` where uploads
+      are confirmed, the ladder where nothing is), plus what is newer than the newest whole one.
 """
 
 from __future__ import annotations
 
 import json
 import re
+
+from colab_kit.drive.retention import ladder
 
 __all__ = ["Invariants"]
 
@@ -90,6 +98,44 @@ class Invariants:
     def check_claim(self, rt, step: int) -> None:
         if step not in self.complete_steps():
             self.violate("I2", f"{rt} journals checkpoint-{step} in the cloud; it is not whole there")
+
+    @property
+    def lease_path(self) -> str:
+        return self._lease_path
+
+    def check_takeover(self, rt, previous, *, asked: bool) -> None:
+        if asked or previous is None:
+            return
+        holder = next((other for other in self.w.runtimes if other.session == previous.session), None)
+        if holder is None or not holder.alive or holder.run is None:
+            return
+        landed = self.w.lease_landed.get(previous.session)
+        if landed is not None and landed > self.w.clock.t - previous.heartbeat_s:
+            self.violate("I6", f"{rt} took the run over from {holder}, which runs and whose heartbeat reached the "
+                               f"cloud {self.w.clock.t - landed:.0f} s ago (one every {previous.heartbeat_s:.0f} s)")
+
+    def settled(self, rt) -> list[tuple[str, str]]:
+        """What breaks I7 and I8 for `rt`, the runtime holding the run, now: [(code, text)]."""
+        complete = self.complete_steps()
+        if rt.saved is not None and rt.saved not in complete:
+            return [("I7", f"{rt} saved checkpoint-{rt.saved} last, and with every fault healed it is not whole in the "
+                           f"cloud (whole there: {sorted(complete)})")]
+        drive, root = self.w.drive, self._root
+        folders = {int(p[len(root):]) for p in drive.dirs if p.startswith(root) and p[len(root):].isdigit()}
+        # What is newer than anything it saved may be another runtime's upload on its way: not counted.
+        mine = rt.saved if rt.saved is not None else rt.resumed
+        above = {f for f in folders if mine is None or f > mine}
+        if rt.run.mirror.pruner.kind == "unconfirmed":
+            written = {f: drive.files[f"{root}{f}/MANIFEST.json"].mtime_ns / 1e9 for f in folders
+                       if f"{root}{f}/MANIFEST.json" in drive.files}
+            now = self.w.clock.EPOCH + self.w.clock.t + self.w.offsets.get(rt.vm.name, 0.0)
+            bound, rule = len(ladder(written, now, self.w.s.settle_s)) + 3, "the ladder"
+        else:
+            bound, rule = rt.run.mirror.keep + 1, f"keep={rt.run.mirror.keep}"
+        if len(folders) > bound + len(above):
+            return [("I8", f"{len(folders)} checkpoints are left ({sorted(folders)}); {rule} keeps {bound}, and "
+                           f"{len(above)} are newer than any it saved")]
+        return []
 
     def truth_at_start(self, rt) -> set[int]:
         return set(self.complete_steps())

@@ -346,6 +346,16 @@ class MemFs:
     def fsync_dir(self, path) -> None:
         return None
 
+    def rewrite_in_place(self, path, data: bytes) -> None:
+        """What `open(path, "wb")` does on the VM's disk (the Trainer saving over an existing checkpoint): the
+        same file gets new bytes, and so does every hard link to it (a snapshot's)."""
+        _, path = self._where(path)
+        blob = self.disk.files.get(path)
+        if blob is None:
+            self._lwrite(path, bytes(data))
+            return
+        blob.data, blob.mtime_ns = bytes(data), self._now_ns()
+
 
 def _raise(exc: Exception):
     raise exc

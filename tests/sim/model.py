@@ -74,6 +74,7 @@ class DriveModel:
         self.dirs: dict[str, str] = {root: "root"}
         self.trash_bytes = 0
         self.version = 0  # bumped by every change under a checkpoints folder (ground truth caches)
+        self.on_commit = None  # told (path, data) of every file that reaches the cloud
         self._ids = itertools.count(1)
         self.vms: list[Vm] = []
 
@@ -136,6 +137,8 @@ class DriveModel:
         item_id = old.id if old is not None else self.new_id("f")
         self.files[path] = CloudFile(blob.data, item_id, blob.mtime_ns)
         self._changed(path)
+        if self.on_commit is not None:
+            self.on_commit(path, blob.data)
 
     def _changed(self, path: str) -> None:
         if "/checkpoints/" in path or path.endswith("/checkpoints"):

@@ -1,5 +1,7 @@
-"""The rules of f65fb4d that issue 27 found wanting, put back behind today's seams, one at a time: with one
-of them in place the simulator must report a violation by itself (tests/sim/test_simulation.py).
+"""Rules the simulator's findings replaced, put back behind today's seams, one at a time: with one of them in
+place the simulator must report a violation by itself (tests/drive/test_simulation.py). The rules of f65fb4d
+that issue 27 found wanting (1-absence ... 6-listing), and those of 78514e6 that issue 38 found wanting
+(38.1-same-step ... 38.4-clock-age).
 
 Each is a function of a `patch(owner, name, value)` (pytest's monkeypatch.setattr, or `patched` below).
 """
@@ -7,13 +9,19 @@ Each is a function of a `patch(owner, name, value)` (pytest's monkeypatch.setatt
 from __future__ import annotations
 
 import contextlib
+import errno
+import logging
 
 from colab_kit.checkpoints.clock import clock
-from colab_kit.checkpoints import search, validity
-from colab_kit.checkpoints.checkpoint import list_checkpoints
-from colab_kit.drive import retention
+from colab_kit.checkpoints import search, snapshot, storage, validity
+from colab_kit.checkpoints.checkpoint import CHECKPOINTS, list_checkpoints
+from colab_kit.checkpoints.journal import EVENTS, read_history
+from colab_kit.drive import lease as lease_module, retention
 from colab_kit.drive.gate import CheckpointGate, choose
 from colab_kit.drive.lease import Lease
+from colab_kit.drive.leasefile import STALE_AFTER_BEATS
+from colab_kit.drive.mirror import Mirror
+from colab_kit.run import find, storefind
 
 __all__ = ["OLD_RULES", "patched"]
 
@@ -104,8 +112,87 @@ def one_short_listing(patch) -> None:
     patch(search, "_listing", listing)
 
 
+def one_snapshot_folder_per_step(patch) -> None:
+    """Issue 38, finding 1: a second save of a step took the first one's snapshot folder (emptied first), so
+    letting go of the first (its upload failed once the Trainer rewrote its files) removed the second's."""
+
+    def own_folder(root, step):
+        target = root / f"checkpoint-{step}"
+        storage.remove_tree(target)
+        return target
+
+    def submit(self, snap):
+        with self._cond:
+            if self._closed or self._paused:
+                (snapshot.keep_on_disk if self.folder_gone else snapshot.discard)(snap)
+                return
+            kept = []
+            for old in self._queued:
+                if old.path == snap.path:  # the same step again: take_snapshot replaced its files
+                    continue
+                if old.step == self.best_step:
+                    kept.append(old)
+                    continue
+                snapshot.discard(old)
+            self._queued = kept + [snap]
+            self._woken = True
+            self._cond.notify_all()
+
+    patch(snapshot, "_own_folder", own_folder)
+    patch(Mirror, "submit", submit)
+
+
+def the_oldest_must_verify(patch) -> None:
+    """Issue 38, finding 2: the ladder's anchor was the oldest checkpoint, which had to verify: one that never
+    would (a manifest whose model file died with its VM) held every deletion back for good."""
+
+    def anchor(self, oldest_first, confirmed):
+        first = oldest_first[0]
+        verdict = validity.check(first.path, step=first.step)
+        if not verdict.valid:
+            return self._doubt(f"checkpoint-{first.step}, the oldest, does not verify now ({verdict})")
+        return first, set()
+
+    patch(retention.Pruner, "_anchor", anchor)
+
+
+def one_look_at_the_folder(patch) -> None:
+    """Issue 38, finding 3: one listing said whether the folder held checkpoints, and the journal was looked
+    for again only if it did: a busy mount's first seconds (nothing listed, no journal) meant a fresh start."""
+
+    def read_told(run_dir, local_copy=None):
+        try:
+            listed = bool(list_checkpoints(run_dir / CHECKPOINTS))
+        except OSError:
+            listed = True
+        return read_history(run_dir / EVENTS, local_copy, expected=listed)
+
+    patch(find, "read_told", read_told)
+    patch(storefind, "read_told", read_told)
+
+
+def heartbeat_age_by_this_clock(patch) -> None:
+    """Issue 38, finding 4: another VM's heartbeat older than 4 beats by this VM's clock took the quick path,
+    one confirming read after 2 s: a live runtime whose clock is behind was taken over."""
+    original = Lease._dead_while_watched
+
+    def watched(self, previous, on_watch, run_name):
+        if clock.time() - previous.heartbeat <= STALE_AFTER_BEATS * previous.heartbeat_s:
+            return original(self, previous, on_watch, run_name)
+        beats = lease_module.WATCH_BEATS
+        lease_module.WATCH_BEATS = min(2.0, previous.heartbeat_s) / previous.heartbeat_s
+        try:
+            return original(self, previous, on_watch, run_name)
+        finally:
+            lease_module.WATCH_BEATS = beats
+
+    patch(Lease, "_dead_while_watched", watched)
+
+
 OLD_RULES = {"1-absence": absence_is_a_fact, "3-settle": settle_rule, "4-heartbeat": heartbeat_writes_unless_lost,
-             "6-listing": one_short_listing}
+             "6-listing": one_short_listing, "38.1-same-step": one_snapshot_folder_per_step,
+             "38.2-invalid-anchor": the_oldest_must_verify, "38.3-one-look": one_look_at_the_folder,
+             "38.4-clock-age": heartbeat_age_by_this_clock}
 
 
 @contextlib.contextmanager

@@ -37,6 +37,13 @@ class Schedule:
     takeovers: list = field(default_factory=list)  # (t, forced)
     api_fail: float = 0.0
     hide_at_open: float = 0.0  # the chance that a checkpoint is hidden for a moment as a runtime opens the run
+    # Issue 38's fault kinds:
+    double_save: float = 0.0  # the chance that a save is followed by a second save of its step (the Trainer's
+    #                           epoch-end save beside the kit's), rewriting its files in place
+    recycle_first: bool = False  # the VM dies while the run's first checkpoint uploads (its manifest is there)
+    busy_at_open: float = 0.0  # the chance that a fresh mount shows no checkpoints and no journal at first
+    skew_s: float = 0.0  # the VMs' clocks differ from true time by up to this (each its own offset)
+    clock_steps: list = field(default_factory=list)  # (t, seconds): a live VM's clock is set back
     deterministic: bool = True
     quota: int | None = None
     heartbeat_s: float = 30.0
@@ -65,7 +72,9 @@ class Schedule:
                 f"uploads take {self.upload_factor:.2f} intervals, keep={self.keep}, "
                 f"{len(self.disconnects)} disconnect(s), {len(self.restarts)} restart(s), "
                 f"{len(self.takeovers)} second runtime(s), {len(self.hides)} hidden file(s), "
-                f"{len(self.outages)} errno-107 window(s), faults {self.faults}")
+                f"{len(self.outages)} errno-107 window(s), faults {self.faults}; double saves {self.double_save:.0%}, "
+                f"{'first upload recycled, ' if self.recycle_first else ''}busy at open {self.busy_at_open:.0%}, "
+                f"clocks off by up to {self.skew_s:.0f} s, {len(self.clock_steps)} clock(s) set back")
 
 
 def make_schedule(seed: int, long_share: float = 0.02) -> Schedule:
@@ -107,4 +116,11 @@ def make_schedule(seed: int, long_share: float = 0.02) -> Schedule:
     if schedule.api:
         schedule.api_fail = rng.choice((0.0, 0.05, 0.2))
         schedule.api_outages = [(t, rng.uniform(30, 600)) for t in times(rng.choice((0, 0, 1, 2)))]
+    # Issue 38's fault kinds, drawn last (the draws above replay the schedules of before).
+    schedule.double_save = rng.choice((0.0, 0.0, 0.3, 0.7))
+    schedule.recycle_first = rng.random() < 0.25
+    schedule.busy_at_open = rng.choice((0.0, 0.0, 0.5))
+    skew = rng.uniform(60, 900)
+    schedule.skew_s = rng.choice((0.0, 0.0, skew))
+    schedule.clock_steps = [(t, rng.uniform(30, 600)) for t in times(rng.choice((0, 0, 1)))]
     return schedule

@@ -39,6 +39,7 @@ class Outcome:
     starts: int = 0
     resumes: int = 0
     refusals: int = 0
+    happened: dict = dataclasses.field(default_factory=dict)  # the fault kinds met, counted
 
 
 def run_schedule(schedule: Schedule) -> Outcome:
@@ -48,7 +49,7 @@ def run_schedule(schedule: Schedule) -> Outcome:
         world = World(schedule)
         violations = world.run()
         return Outcome(schedule, violations, list(world.trace), time.perf_counter() - started,
-                       world.starts, world.resumes, world.refusals)
+                       world.starts, world.resumes, world.refusals, dict(world.happened))
     finally:
         logging.disable(logging.NOTSET)
 
@@ -56,7 +57,7 @@ def run_schedule(schedule: Schedule) -> Outcome:
 def run_seeds(seeds, long_share: float = 0.02, stop_at_first: bool = False) -> tuple[list[Outcome], dict]:
     """Every seed's outcome that failed, and totals."""
     failed, totals = [], {"schedules": 0, "seconds": 0.0, "virtual_hours": 0.0, "starts": 0, "resumes": 0,
-                          "refusals": 0, "long": 0, "modes": {}}
+                          "refusals": 0, "long": 0, "modes": {}, "happened": {}}
     for seed in seeds:
         outcome = run_schedule(make_schedule(seed, long_share))
         totals["schedules"] += 1
@@ -66,6 +67,8 @@ def run_seeds(seeds, long_share: float = 0.02, stop_at_first: bool = False) -> t
         totals["modes"][outcome.schedule.mode] = totals["modes"].get(outcome.schedule.mode, 0) + 1
         for key in ("starts", "resumes", "refusals"):
             totals[key] += getattr(outcome, key)
+        for kind, count in outcome.happened.items():
+            totals["happened"][kind] = totals["happened"].get(kind, 0) + count
         if outcome.violations:
             failed.append(outcome)
             if stop_at_first:
@@ -80,7 +83,7 @@ def shrink(schedule: Schedule, budget: int = 60) -> Schedule:
     changed = True
     while changed and tries < budget:
         changed = False
-        for name in ("takeovers", "restarts", "disconnects", "outages", "api_outages", "hides"):
+        for name in ("takeovers", "restarts", "disconnects", "outages", "api_outages", "hides", "clock_steps"):
             items = getattr(best, name)
             for i in range(len(items)):
                 candidate = copy.deepcopy(best)
@@ -96,12 +99,14 @@ def shrink(schedule: Schedule, budget: int = 60) -> Schedule:
                 tries += 1
                 if run_schedule(candidate).violations:
                     best, changed = candidate, True
-        if best.api_fail:
-            candidate = copy.deepcopy(best)
-            candidate.api_fail = 0.0
-            tries += 1
-            if run_schedule(candidate).violations:
-                best, changed = candidate, True
+        for name, none in (("api_fail", 0.0), ("double_save", 0.0), ("recycle_first", False), ("busy_at_open", 0.0),
+                           ("skew_s", 0.0)):
+            if getattr(best, name):
+                candidate = copy.deepcopy(best)
+                setattr(candidate, name, none)
+                tries += 1
+                if run_schedule(candidate).violations:
+                    best, changed = candidate, True
     return best
 
 
@@ -145,8 +150,9 @@ def main() -> int:
         return 1 if outcome.violations else 0
     failed, totals = run_seeds(range(args.first, args.first + args.seeds), args.long_share)
     print(f"{totals['schedules']} schedules ({totals['long']} of 12 h; {totals['virtual_hours']:.0f} virtual hours, "
-          f"{totals['starts']} starts, {totals['resumes']} resumes, {totals['refusals']} refusals) in "
-          f"{totals['seconds']:.1f} s: {len(failed)} with a violation")
+          f"{totals['starts']} starts, {totals['resumes']} resumes, {totals['refusals']} refusals; "
+          + ", ".join(f"{n} {kind}" for kind, n in sorted(totals["happened"].items()))
+          + f") in {totals['seconds']:.1f} s: {len(failed)} with a violation")
     for outcome in failed[:3]:
         print(report(outcome))
     return 1 if failed else 0

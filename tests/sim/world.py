@@ -4,15 +4,18 @@ Each runtime is one notebook kernel on one VM. It opens the run folder as `start
 `Lease.acquire` and `start.open_claimed`, with its workers not threaded), then the world calls the
 workers' step functions (`Mirror.step`, `Lease.step`) when they ask, a little late at random, and saves
 a checkpoint every save interval as the Trainer would (files on local disk, `take_snapshot`,
-`Mirror.submit`). Disconnects kill a VM (its Drive cache and queue die with it), kernel restarts keep
-the VM, a second runtime may take over while the first still runs. The invariants (`invariants.py`)
-are checked after every event and before every change to the Drive folder.
+`Mirror.submit`), sometimes twice at one step (the Trainer's epoch-end save rewriting the files in place).
+Disconnects kill a VM (its Drive cache and queue die with it; one may come while the run's first checkpoint
+uploads), kernel restarts keep the VM, a second runtime may take over while the first still runs, a fresh
+mount may show nothing for its first seconds, and each VM's clock may be minutes off, or set back. The
+invariants (`invariants.py`) are checked after every event and before every change to the Drive folder; at
+the end the faults heal, the runtime holding the run gets time to finish its uploads and pruning, and what it
+saved last must be in the cloud, within the bounds retention keeps.
 """
 
 from __future__ import annotations
 
 import collections
-import hashlib
 import heapq
 import itertools
 import json
@@ -21,7 +24,6 @@ from pathlib import Path
 
 from colab_kit.checkpoints.clock import Clock
 from colab_kit.checkpoints import storage, validity
-from colab_kit.checkpoints.snapshot import SNAPSHOTS, take_snapshot
 from colab_kit.distributed.ranks import Ranks
 from colab_kit.drive.driveapi import DriveApi
 from colab_kit.drive.lease import Lease
@@ -31,16 +33,17 @@ from colab_kit.run.start import open_claimed
 from colab_kit.runtime import RuntimeInfo
 
 from api import FakeDriveService
+from ending import WindDown
 from faults import Faults
 from invariants import Invariants
-from memfs import DRIVE, LOCAL, LocalDisk, MemFs
+from memfs import DRIVE, LocalDisk, MemFs
 from model import DriveModel
+from saves import OUT, TrainerSaves
 from schedule import Schedule
 
 __all__ = ["World", "VirtualClock", "RUN_DIR"]
 
 RUN_DIR = Path(DRIVE) / "run"
-OUT = Path(LOCAL) / "out"
 _RUNTIME = RuntimeInfo(colab=False, notebook=True, gpu=None, ram_limit_bytes=12 << 30)
 
 
@@ -53,7 +56,7 @@ class VirtualClock(Clock):
         self.world, self.t = world, 0.0
 
     def time(self) -> float:
-        return self.EPOCH + self.t
+        return self.EPOCH + self.t + self.world.clock_offset()  # the acting VM's clock, which may be off
 
     def monotonic(self) -> float:
         return self.t
@@ -74,6 +77,9 @@ class Runtime:
 
     def __init__(self, world, vm, disk: LocalDisk):
         self.number = next(world.numbers)
+        self.saved: int | None = None  # the step of its newest save
+        self.resave: int | None = None  # a step the Trainer saves again (at the epoch's end) as its upload begins
+        self.resumed: int | None = None  # the step it resumed from
         self.name = f"rt{self.number}"
         self.world, self.vm, self.disk = world, vm, disk
         self.pid = 1000 + self.number
@@ -88,7 +94,7 @@ class Runtime:
         return self.name
 
 
-class World:
+class World(TrainerSaves, WindDown):
     """One schedule, run to its end: `run()` returns the violations found (empty: none)."""
 
     def __init__(self, schedule: Schedule, *, trace_lines: int = 60):
@@ -102,8 +108,13 @@ class World:
         self.service = FakeDriveService(self.drive, self.rng, fail=schedule.api_fail, fail_page=schedule.api_fail)
         self.service.clock = self.clock
         self.invariants = Invariants(self)
-        self.fs.on_change = self.invariants.before_change
+        self.fs.on_change = self._changing
         self.service.on_delete = lambda path: self.invariants.before_change("api_delete", path)
+        self.drive.on_commit = self._committed
+        self.offsets: dict[str, float] = {}  # each VM's clock: seconds off true time
+        self.lease_landed: dict[str, float] = {}  # session -> when its lease.json last reached the cloud
+        self.ending = self._recycled = False
+        self.happened: collections.Counter = collections.Counter()  # the fault kinds met (for the totals)
         self.runtimes: list[Runtime] = []
         self.live_pids: dict[int, float] = {}
         self._events: list = []
@@ -120,7 +131,7 @@ class World:
 
     def run(self) -> list[str]:
         s = self.s
-        vm = self.drive.new_vm("vm1", 0.0)
+        vm = self.new_vm()
         self.at(0.0, "start", None, (vm, LocalDisk(), False))
         for t in s.disconnects:
             self.at(t, "disconnect")
@@ -134,11 +145,14 @@ class World:
             self.at(t, "enotconn", None, seconds)
         for t, seconds in s.api_outages:
             self.at(t, "api_down", None, seconds)
+        for t, seconds in s.clock_steps:
+            self.at(t, "clock_step", None, seconds)
         with storage.use_filesystem(self.fs), _clock_in_use(self.clock):
             validity.clear()
             while self._events and not self.invariants.violations:
                 t, _, kind, rt, payload = heapq.heappop(self._events)
                 if t > s.duration:
+                    self.at(t, kind, rt, payload)
                     break
                 if rt is not None and (not rt.alive or rt.busy):
                     if rt.alive:  # its own step is under way (it sleeps): this one comes after
@@ -148,8 +162,35 @@ class World:
                 self.drive.advance(self.clock.t)  # Drive's uploads up to now, before anything happens
                 self._do(kind, rt, payload)
                 self.invariants.after_event()
+            if not self.invariants.violations:
+                self._wind_down()
             self.invariants.at_end()
         return self.invariants.violations
+
+    # -- clocks and the cloud's own record -------------------------------------------------------------
+    def new_vm(self):
+        vm = self.drive.new_vm(f"vm{len(self.drive.vms) + 1}", self.clock.t)
+        self.offsets[vm.name] = self.rng.uniform(-self.s.skew_s, self.s.skew_s) if self.s.skew_s else 0.0
+        self.happened["skewed clocks"] += bool(self.offsets[vm.name])
+        return vm
+
+    def clock_offset(self) -> float:
+        vm = self.fs.vm
+        return self.offsets.get(vm.name, 0.0) if vm is not None else 0.0
+
+    def _committed(self, path: str, data: bytes) -> None:
+        if path == self.invariants.lease_path:
+            try:
+                self.lease_landed[json.loads(data)["session"]] = self.clock.t
+            except (ValueError, KeyError, TypeError):
+                pass
+
+    def _on_clock_step(self, seconds) -> None:
+        rt = self._victim()
+        if rt is not None:
+            self.offsets[rt.vm.name] -= seconds
+            self.happened["clocks set back"] += 1
+            self.note(f"fault: {rt.vm.name}'s clock is set back {seconds:.0f} s")
 
     def sleep(self, seconds: float) -> None:
         """A runtime waits: the other runtimes' events due meanwhile run, then time is where it asked."""
@@ -201,13 +242,19 @@ class World:
         self.starts += 1
         if self.rng.random() < s.hide_at_open:  # a fresh mount is busy: a checkpoint hidden for a moment
             self._on_hide(self.rng.uniform(0.3, 4.0), under="/checkpoints/checkpoint-")
+        if self.rng.random() < s.busy_at_open:  # or it shows no checkpoints and no journal at all for a moment
+            seconds = self.rng.uniform(0.5, 4.5)
+            for path in (RUN_DIR / "checkpoints", RUN_DIR / "events.jsonl"):
+                self.faults.hide(str(path), seconds)
+            self.note(f"fault: the fresh mount shows no checkpoints and no journal for {seconds:.1f} s")
+            self.happened["busy fresh mounts"] += 1
         lease = Lease(RUN_DIR, heartbeat_s=s.heartbeat_s, host=rt.vm.name, pid=rt.pid,
                       process_start=self.process_start, session=rt.session)
         rt.acquiring = True
         try:
             storage.make_dirs(OUT)
             storage.make_dirs(RUN_DIR / "checkpoints")
-            lease.acquire(takeover=bool(takeover), run_name="run")
+            previous = lease.acquire(takeover=bool(takeover), run_name="run")
         except (LeaseHeldError, DriveError, OSError) as exc:
             self.refusals += 1
             self.note(f"{rt} refused: {type(exc).__name__}: {str(exc)[:90]}")
@@ -218,6 +265,7 @@ class World:
             return
         finally:
             rt.acquiring = False
+        self.invariants.check_takeover(rt, previous, asked=bool(takeover))
         truth = self.invariants.truth_at_start(rt)
         try:
             run, found, _ = open_claimed(
@@ -233,6 +281,7 @@ class World:
         self.resumes += found is not None
         rt.run = run
         rt.step = found.step if found is not None else 0
+        rt.resumed = found.step if found is not None else None
         self._watch_journal(rt)
         self.note(f"{rt} on {rt.vm.name} resumes from {found.step if found else 'nothing'} ({run.durability})")
         self.at(self.clock.t, "mirror", rt)
@@ -255,6 +304,10 @@ class World:
                     "step", "steps", "what", "reason", "witness", "path", "label"))[:160])
             if event == "cloud" and "step" in fields:
                 self.invariants.check_claim(rt, fields["step"])
+            if event == "sync" and self.s.recycle_first and not self._recycled:  # while the first one uploads
+                self._recycled = True
+                upload_s = self.s.size * 4 / 3 / self.s.rate
+                self.at(self.clock.t + self.rng.uniform(2.0, max(2.5, 0.9 * upload_s)), "recycle", rt)
             return write(event, **fields)
 
         journal.write = watched
@@ -270,37 +323,25 @@ class World:
         if rt.run.lease.step(rt.run._lease_lost):
             self.at(self.clock.t + self.s.heartbeat_s * (1.0 + 0.2 * self.rng.random()), "beat", rt)
 
-    def _on_save(self, rt: Runtime, _) -> None:
-        rt.step += 10
-        folder = OUT / f"checkpoint-{rt.step}"
-        storage.make_dirs(folder)
-        lineage = rt.session if not self.s.deterministic else ""
-        for name, size in (("model.safetensors", self.s.size), ("optimizer.pt", self.s.size // 3)):
-            storage.atomic_write_bytes(folder / name, _payload(f"{lineage}{name}{rt.step}", size))
-        storage.atomic_write_bytes(folder / "trainer_state.json", json.dumps({"global_step": rt.step}).encode())
-        snap = take_snapshot(folder, OUT / SNAPSHOTS, rt.step, {"model": "sim"}, {"step": rt.step})
-        rt.run.mirror.submit(snap)
-        rt.run.journal.write("save", step=rt.step)
-        for _, old in sorted((int(e.name.split("-")[1]), e.path) for e in storage.list_dir(OUT)
-                             if e.name.startswith("checkpoint-"))[:-2]:
-            storage.remove_tree(old)  # the Trainer's save_total_limit
-        self.at(self.clock.t + self.s.interval_s * (0.9 + 0.2 * self.rng.random()), "save", rt)
-
-    # -- what happens to them ---------------------------------------------------------------------------
     def _victim(self) -> Runtime | None:
         live = [rt for rt in self.live() if rt.run is not None]
         return self.rng.choice(live) if live else None
 
-    def _on_disconnect(self, _) -> None:
-        rt = self._victim()
+    def _on_disconnect(self, _, rt: Runtime | None = None) -> None:
+        rt = rt or self._victim()
         if rt is None:
             return
         self._end(rt)
         self.drive.kill(rt.vm)
         self.note(f"{rt} disconnected: {rt.vm.name} is gone")
         if not self.live():
-            vm = self.drive.new_vm(f"vm{len(self.drive.vms) + 1}", self.clock.t)
-            self.at(self.clock.t + self.rng.uniform(30, 300), "start", None, (vm, LocalDisk(), False))
+            self.at(self.clock.t + self.rng.uniform(30, 300), "start", None, (self.new_vm(), LocalDisk(), False))
+
+    def _on_recycle(self, rt: Runtime, _) -> None:
+        """Colab recycles the runtime while the run's first checkpoint uploads: its manifest (a small file) has
+        reached the cloud, its model file has not."""
+        self.happened["first uploads recycled"] += 1
+        self._on_disconnect(None, rt)
 
     def _on_restart(self, _) -> None:
         rt = self._victim()
@@ -311,7 +352,7 @@ class World:
         self.at(self.clock.t + self.rng.uniform(5, 60), "start", None, (rt.vm, rt.disk, False))
 
     def _on_second(self, forced) -> None:
-        vm = self.drive.new_vm(f"vm{len(self.drive.vms) + 1}", self.clock.t)
+        vm = self.new_vm()
         self.note(f"a second runtime on {vm.name}" + (" takes over" if forced else ""))
         self.at(self.clock.t, "start", None, (vm, LocalDisk(), forced))
 
@@ -334,11 +375,6 @@ class World:
     def _on_api_down(self, seconds) -> None:
         self.service.down_until = self.clock.t + seconds
         self.note(f"fault: the Drive API answers 503 for {seconds:.0f} s")
-
-
-def _payload(key: str, size: int) -> bytes:
-    seed = hashlib.sha256(key.encode()).digest()
-    return (seed * (size // len(seed) + 1))[:size]
 
 
 class _clock_in_use:
