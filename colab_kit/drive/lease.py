@@ -69,6 +69,7 @@ class Lease:
         self.acquired_at: float | None = None  # clock.monotonic() when acquired
         self.quiet_s = 0.0  # after a takeover: how long the runtime it replaced may not have seen it yet
         self.watched_s = 0.0  # how long the last acquire watched another host's lease
+        self.watching: LeaseInfo | None = None  # the other host's lease while acquire watches it
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -104,9 +105,10 @@ class Lease:
                         raise self._held(previous, run_name)
                     self.took_over_because = stale
                 else:  # another VM: only a heartbeat seen to change (or not) says whether it lives
-                    watch_started = clock.monotonic()
+                    watch_started, self.watching = clock.monotonic(), previous
                     try:
                         alive = not self._dead_while_watched(previous, on_watch, run_name)
+                        self.watching = None
                     finally:
                         self.watched_s = clock.monotonic() - watch_started
                     if alive:
@@ -116,7 +118,11 @@ class Lease:
         log.debug("lease of %s taken: %s", self.path.parent, why)
         # Drive has no exclusive create: read back so that of two simultaneous starters at
         # most one believes it holds the lease.
-        confirmed = self._read_patiently(run_name)
+        try:
+            confirmed = self._read_patiently(run_name)
+        except BaseException:  # written, but no run holds it: let it go again (where it is still this one's)
+            self.release()
+            raise
         if confirmed is None or confirmed.session != self.info.session:
             raise LeaseHeldError(f"another runtime claimed {self.path.parent} at the same moment; run "
                                  f"ck.start_run({run_name!r}) again in a minute")
@@ -175,6 +181,11 @@ class Lease:
         raise LeaseHeldError(f"cannot read the lease of {self.path.parent} ({problem}), so whether another runtime "
                              f"writes this run is unknown: nothing was taken over. Run this cell again in a minute; "
                              f"if no other runtime can be using it: ck.start_run({run_name!r}, takeover=True)")
+
+    @staticmethod
+    def watch_s(previous: LeaseInfo) -> float:
+        """How long another host's lease `previous` is watched before it counts as dead."""
+        return WATCH_BEATS * previous.heartbeat_s
 
     def _dead_while_watched(self, previous: LeaseInfo, on_watch, run_name: str) -> bool:
         """Watch `previous` (another host's) for `WATCH_BEATS` of its heartbeats: True when a successful read

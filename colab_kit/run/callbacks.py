@@ -23,29 +23,55 @@ from ..errors import ColabKitError
 from .best import restore_best, step_of
 from .disk import check_local_space
 
-__all__ = ["SaveScheduleCallback", "DriveSyncCallback", "GaugesCallback", "bind"]
+__all__ = ["SaveScheduleCallback", "DriveSyncCallback", "GaugesCallback", "bind", "rebind_output_dir"]
 
 log = logging.getLogger(__name__)
 STRETCH = 1.25  # a stretched interval leaves this much room over the expected upload time
 
 
-def bind(run, trainer) -> list[str]:
-    """Make the trainer's kit callbacks this run's: those of another run are removed, this run's added.
+def bind(run, trainer) -> tuple[list[str], object | None]:
+    """Make the trainer this run's: the kit callbacks of another run are removed, this run's added, and an
+    output_dir that was the earlier run's local folder becomes this run's (`rebind_output_dir`).
 
     A trainer outlives its run in a notebook: after the stop button, the `start_run` cell run again
     makes a new run, and the training cell hands it the trainer still in the kernel, whose callbacks
     belong to the finished run (its mirror closed). Left there, they would take every save and
-    mirror none. Returns the names of the callbacks replaced."""
-    replaced = []
+    mirror none. Returns (the names of the callbacks replaced, the earlier run whose local folder the trainer
+    saved into, or None)."""
+    replaced, earlier = [], []
     for cb in list(trainer.callback_handler.callbacks):
         if isinstance(cb, KIT_CALLBACKS) and cb.run is not run:
             trainer.remove_callback(cb)
             replaced.append(f"{type(cb).__name__} of run {cb.run.name!r}")
+            earlier.append(cb.run)
     present = {type(cb) for cb in trainer.callback_handler.callbacks}
     for cb in run.callbacks():
         if type(cb) not in present:
             trainer.add_callback(cb)
-    return replaced
+    return replaced, rebind_output_dir(run, trainer, earlier)
+
+
+def rebind_output_dir(run, trainer, earlier: list):
+    """A trainer made for an earlier run of the kernel (`earlier`: the runs whose callbacks it had), whose
+    output_dir is that run's local folder, saves into this run's instead: else its checkpoints would be
+    written over the earlier run's local ones (which that run, opened again, resumes from), and its rotation
+    would delete them. What derives from output_dir moves with it: `logging_dir` (transformers 4.x computes
+    it once, `output_dir/runs/<time_host>`), and the folder a TensorBoardCallback took at its first
+    train (5.x). A user's own output_dir is left alone. Returns the earlier run, or None when nothing moved."""
+    args = trainer.args
+    old = Path(args.output_dir).absolute()
+    owner = next((r for r in earlier if Path(r.local_dir).absolute() == old), None)
+    if owner is None or old == Path(run.local_dir).absolute():
+        return None
+    args.output_dir = str(run.local_dir)
+    logging_dir = getattr(args, "logging_dir", None)
+    if logging_dir and Path(logging_dir).absolute().parent == old / "runs":
+        args.logging_dir = str(Path(run.local_dir) / "runs" / Path(logging_dir).name)
+    for cb in trainer.callback_handler.callbacks:
+        folder = getattr(cb, "logging_dir", None)
+        if type(cb).__name__ == "TensorBoardCallback" and folder and old in Path(folder).absolute().parents:
+            cb.logging_dir = None  # taken again from the new output_dir at the next on_train_begin
+    return owner
 
 
 def refuse_closed(run, step: int) -> None:

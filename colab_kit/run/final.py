@@ -3,6 +3,11 @@
 Saved to local disk first (safetensors, config, tokenizer, metrics), then published to the
 persistent folder with every file read back and verified, MANIFEST.json last, and followed
 until it is in the cloud (`run.finish()` waits for it).
+
+`final/` is never half-replaced: "Run all" again exports the same model, which leaves the verified export as
+it is; another one is written beside it (`.final.new-<id>/`) and swapped in once it verifies, the one it
+replaces moved to `archive/final-<time>/` (nothing is deleted). A stop, a Drive error or a lost runtime
+during the copy leaves the last export whole.
 """
 
 from __future__ import annotations
@@ -11,15 +16,20 @@ import errno
 import json
 import shutil
 import time
+import uuid
+from datetime import datetime, timezone
 from pathlib import Path
 
 from .._notices import no_shard_bars
 from .._units import format_bytes
-from ..checkpoints import storage
-from ..checkpoints.checkpoint import FINAL, publish_folder
+from ..checkpoints import storage, validity
+from ..checkpoints.checkpoint import ARCHIVE, FINAL, publish_folder
 from ..checkpoints.manifest import Manifest, hash_folder
 from ..drive.cloud import upload_for
+from ..drive.gate import act
 from ..errors import DriveError
+
+_STAGING = f".{FINAL}.new-"  # a new export, written beside final/ until it verifies
 
 __all__ = ["save_final"]
 
@@ -42,24 +52,90 @@ def save_final(run, model, tokenizer=None, metrics: dict | None = None, retries:
     manifest = Manifest(step=int(run.global_step or 0), files=hash_folder(local),
                         fingerprint=run.fingerprint or {})
     target = run.drive_dir / FINAL
+    if _holds(target, manifest):  # "Run all" again: the same model, tokenizer and metrics
+        run.journal.write("final", path=str(target), bytes=manifest.total_bytes, files=len(manifest.files),
+                          unchanged=True)
+        if run.mirror.tracker.get("final") is None:
+            run.mirror.tracker.add(upload_for(target, manifest, "final"))  # run.finish() waits for it
+        print(f"colab_kit: {target} already holds this model (verified); it is left as it is")
+        return target
+    archived = None
     for attempt in range(1, retries + 1):
+        staging = run.drive_dir / f"{_STAGING}{uuid.uuid4().hex[:8]}"
         try:
             _check_lease(run)  # a newer export replaces the last one: only by the runtime that holds the run
-            publish_folder(local, target, manifest, replace=True)
+            publish_folder(local, staging, manifest)
+            archived = _swap_in(run, staging, target, manifest)
             break
         except OSError as exc:
             if attempt == retries:
                 raise DriveError(f"could not copy the final model to {target}: {exc}. It is saved on local "
                                  f"disk at {local}; copy it yourself, or call run.save_final(...) again "
-                                 f"when Drive works") from exc
+                                 f"when Drive works" + _what_final_holds(target)) from exc
             time.sleep(2 ** attempt)
+        except KeyboardInterrupt:
+            print(f"colab_kit: stopped while exporting the final model; it is saved on local disk at {local}"
+                  f"{_what_final_holds(target)} Run this cell again to export it.", flush=True)
+            raise
     if metrics_json is not None:
         storage.atomic_write_bytes(run.drive_dir / "metrics.json", metrics_json)
-    run.journal.write("final", path=str(target), bytes=manifest.total_bytes, files=len(manifest.files))
+    run.journal.write("final", path=str(target), bytes=manifest.total_bytes, files=len(manifest.files),
+                      archived=str(archived) if archived else None)
     run.mirror.tracker.add(upload_for(target, manifest, "final"))  # run.finish() waits for it
     print(f"colab_kit: final model saved to {target} ({format_bytes(manifest.total_bytes)}, "
-          f"{len(manifest.files)} files, verified)")
+          f"{len(manifest.files)} files, verified)"
+          + (f"; the export it replaces is kept in {archived} (delete it at drive.google.com if it is not needed)"
+             if archived else ""))
     return target
+
+
+def _holds(target: Path, manifest: Manifest) -> bool:
+    """Does `target` verify now, with exactly the files of `manifest` (sizes and sha256)?"""
+    try:
+        verdict = validity.check(target) if storage.is_dir(target) else None
+    except OSError:
+        return False
+    return bool(verdict is not None and verdict.valid and {n: (e.size, e.sha256) for n, e in verdict.manifest.files.items()}
+                == {n: (e.size, e.sha256) for n, e in manifest.files.items()})
+
+
+def _swap_in(run, staging: Path, target: Path, manifest: Manifest) -> Path | None:
+    """The verified `staging` becomes `target`; the export it replaces (and any staging left by an earlier,
+    interrupted export) moves to archive/, never deleted. Returns where the replaced export went.
+
+    Raises:
+        OSError: the lease is not this runtime's now (nothing was moved), or a move failed."""
+    moved = {}
+
+    def swap():
+        stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+        leftovers = [e.path for e in storage.list_dir(run.drive_dir)
+                     if e.name.startswith(_STAGING) and e.path != str(staging)]
+        for old in ([target] if storage.exists(target) else []) + [Path(p) for p in leftovers]:
+            aside = run.drive_dir / ARCHIVE / f"{old.name.lstrip('.')}-{stamp}"
+            storage.make_dirs(aside.parent)
+            storage.replace(old, aside)
+            validity.forget(old)
+            moved.setdefault("final", aside if old == target else None)
+        storage.replace(staging, target)
+        validity.remember(target, manifest, valid=True)
+
+    if not act("replace final", str(target), [lambda: None if _held(run) else "the lease is not this runtime's now"],
+               swap, journal=run.journal):
+        raise OSError(errno.EAGAIN, "the run's lease could not be confirmed now, so final/ was not replaced")
+    return moved.get("final")
+
+
+def _what_final_holds(target: Path) -> str:
+    try:
+        whole = storage.exists(target) and validity.check(target).valid
+    except OSError:
+        whole = False
+    return f"; {target} still holds the previous export, whole." if whole else "."
+
+
+def _held(run) -> bool:
+    return (run.lease.check() if run.lease is not None else True) is True
 
 
 def _check_lease(run) -> None:

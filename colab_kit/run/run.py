@@ -212,7 +212,8 @@ class Run:
         if self.lost_to is not None:  # the heartbeat and the mirror may both notice
             return
         self.lost_to = f"host {holder.host}, pid {holder.pid}" if holder else "another runtime"
-        reason = f"another runtime ({self.lost_to}) took over {self.drive_dir}; this one stopped syncing"
+        who = f"another runtime ({self.lost_to})" if holder else self.lost_to
+        reason = f"{who} took over {self.drive_dir}; this one stopped syncing"
         self.mirror.pause(reason)
         self.notices.add(reason + ", and stops training at its next step")
         self.journal.write("warn", what="lease_lost", holder=self.lost_to)

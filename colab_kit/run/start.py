@@ -13,13 +13,12 @@ import atexit
 import logging
 import os
 import re
-import time
 import weakref
 from pathlib import Path
 
 from ..checkpoints.clock import clock
 from .._notices import Countdown, Notices
-from .._units import format_age, format_bytes, is_count, parse_duration, parse_rate
+from .._units import format_age, is_count, parse_duration, parse_rate
 from ..checkpoints import storage
 from ..checkpoints.checkpoint import CHECKPOINTS
 from ..checkpoints.journal import EVENTS, Journal, SilentJournal
@@ -27,7 +26,7 @@ from ..checkpoints.search import RETRY_WAITS, Found
 from ..checkpoints.snapshot import SNAPSHOTS, recover_saved, take_snapshot
 from ..distributed.ranks import detect as detect_ranks
 from ..drive.confirm import check_confirm, choose_confirmation
-from ..drive.drivefs import UNCONFIRMED, describe_kind, folder_kind, probe_kind
+from ..drive.drivefs import folder_kind, probe_kind
 from ..drive.lease import Lease
 from ..drive.mount import resolve_root
 from ..drive.retention import Ladder
@@ -36,8 +35,9 @@ from ..runtime import detect_runtime, in_colab
 from .find import RESUME_MODES, fetch_best_of, find_resume, kit_state, set_aside_newer
 from .fresh import archive_checkpoints
 from .finish import close_run, close_unheld_runs
-from .registry import TrainClock, open_runs, register
+from .registry import TrainClock, open_runs, register, unregister
 from .run import Run
+from .summary import stopped_claiming, stopped_opening, summary
 
 __all__ = ["start_run"]
 
@@ -165,16 +165,28 @@ def start_run(name: str, *, drive: str | os.PathLike | None = None, local_dir: s
     close_earlier_runs(name, drive_dir)
 
     lease, replaced = _claim(name, drive_dir, heartbeat_s, takeover, quiet)
-    run, found, archived = open_claimed(name, drive_dir, local, lease=lease, runtime=runtime, on_drive=on_drive,
-                                        confirm=confirm, resume=resume, keep=keep, save_every_s=save_every_s,
-                                        save_every_steps=save_every_steps, gauges=gauges, ladder=ladder,
-                                        pace_bps=pace_bps, ranks=ranks, replaced=replaced, save_every=save_every)
-    lease.start_heartbeat(run._lease_lost)
-    register(run)
-    atexit.register(_finish_at_exit, weakref.ref(run))
+    try:
+        run, found, archived = open_claimed(name, drive_dir, local, lease=lease, runtime=runtime, on_drive=on_drive,
+                                            confirm=confirm, resume=resume, keep=keep, save_every_s=save_every_s,
+                                            save_every_steps=save_every_steps, gauges=gauges, ladder=ladder,
+                                            pace_bps=pace_bps, ranks=ranks, replaced=replaced, save_every=save_every)
+    except KeyboardInterrupt:  # the stop button: open_claimed stopped its uploader and let the lease go
+        print(stopped_opening(name, drive_dir, replaced), flush=True)
+        raise
+    try:
+        register(run)
+        lease.start_heartbeat(run._lease_lost)
+        atexit.register(_finish_at_exit, weakref.ref(run))
+    except BaseException as exc:  # as open_claimed does: nothing of the run is left running
+        unregister(run)
+        run.mirror.close(timeout=5.0)
+        lease.release()
+        if isinstance(exc, KeyboardInterrupt):
+            print(stopped_opening(name, drive_dir, replaced), flush=True)
+        raise
 
     if not quiet:
-        print(_summary(run, found, replaced, lease.took_over_because, archived, save_every))
+        print(summary(run, found, replaced, lease.took_over_because, archived, save_every))
     run.notices.show()
     return run
 
@@ -202,6 +214,7 @@ def open_claimed(name: str, drive_dir: Path, local: Path, *, lease: Lease, runti
             cloud cannot be used now (the lease is released: nothing was started).
     """
     notices = Notices()
+    run = None
     try:
         kind, settled = probe_kind(drive_dir, on_drive=on_drive)
         kind, api = choose_confirmation(confirm, drive_dir, kind, colab=runtime.colab, say=notices.add)
@@ -209,28 +222,30 @@ def open_claimed(name: str, drive_dir: Path, local: Path, *, lease: Lease, runti
         recover_saved(local / SNAPSHOTS)  # saves the Trainer finished but the kit never got to upload
         _clean_local(local)
         finding = find_resume(name, drive_dir, local, resume=resume, notices=notices, journal=journal)
-    except BaseException:
+        found = finding.found
+        run = Run(name, drive_dir, local, on_drive=on_drive, save_every_s=save_every_s,
+                  save_every_steps=save_every_steps, keep=keep, runtime=runtime, lease=lease,
+                  journal=journal, notices=notices, gauges=gauges, kind=kind, prune_after=_PRUNE_AFTER, ranks=ranks,
+                  ladder=ladder, pace_bps=pace_bps, api=api, known_steps=finding.told.expected, threaded=threaded,
+                  kind_settled=settled)
+        archived = None if resume is not False else archive_checkpoints(run, expected=bool(finding.told.expected))
+        if found is not None:
+            fetch_best_of(run, finding)  # before adopt_existing may prune it
+        run.mirror.adopt_existing()
+        if found is not None:
+            _take(run, found)
+        journal.write("start", run=name, drive_dir=str(drive_dir), local_dir=str(local),
+                      host=lease.info.host, pid=lease.info.pid, colab=runtime.colab,
+                      gpu=runtime.gpu.name if runtime.gpu else None, ram_limit=runtime.ram_limit_bytes,
+                      save_every=save_every, keep=keep, durability=run.durability, world_size=ranks.world_size,
+                      took_over=replaced.host if replaced else None, took_over_because=lease.took_over_because,
+                      watched_s=round(lease.watched_s, 2))
+        _journal_found(run, found, archived)
+    except BaseException:  # a stop or a failure before the run is handed out: its uploader and the lease go
+        if run is not None:
+            run.mirror.close(timeout=5.0)
         lease.release()
         raise
-    found = finding.found
-    run = Run(name, drive_dir, local, on_drive=on_drive, save_every_s=save_every_s,
-              save_every_steps=save_every_steps, keep=keep, runtime=runtime, lease=lease,
-              journal=journal, notices=notices, gauges=gauges, kind=kind, prune_after=_PRUNE_AFTER, ranks=ranks,
-              ladder=ladder, pace_bps=pace_bps, api=api, known_steps=finding.told.expected, threaded=threaded,
-              kind_settled=settled)
-    archived = None if resume is not False else archive_checkpoints(run, expected=bool(finding.told.expected))
-    if found is not None:
-        fetch_best_of(run, finding)  # before adopt_existing may prune it
-    run.mirror.adopt_existing()
-    if found is not None:
-        _take(run, found)
-    journal.write("start", run=name, drive_dir=str(drive_dir), local_dir=str(local),
-                  host=lease.info.host, pid=lease.info.pid, colab=runtime.colab,
-                  gpu=runtime.gpu.name if runtime.gpu else None, ram_limit=runtime.ram_limit_bytes,
-                  save_every=save_every, keep=keep, durability=run.durability, world_size=ranks.world_size,
-                  took_over=replaced.host if replaced else None, took_over_because=lease.took_over_because,
-                  watched_s=round(lease.watched_s, 2))
-    _journal_found(run, found, archived)
     return run, found, archived
 
 
@@ -270,6 +285,9 @@ def _claim(name: str, drive_dir: Path, heartbeat_s: float, takeover: bool, quiet
 
     try:
         replaced = lease.acquire(takeover=takeover, run_name=name, on_watch=watching if countdown else None)
+    except KeyboardInterrupt:  # the stop button, while it watches another VM's lease (say so, and what next)
+        print(stopped_claiming(name, drive_dir, lease), flush=True)
+        raise
     except OSError as exc:
         raise DriveError(f"cannot write the lease file in {drive_dir}: {exc}. Check that the folder is "
                          f"writable and not full, then run this cell again") from exc
@@ -290,43 +308,6 @@ def _take(run: Run, found: Found) -> None:
         run.mirror.submit(take_snapshot(found.path, run.local_dir / SNAPSHOTS, found.step,
                                         found.manifest.fingerprint, found.manifest.kit_state,
                                         taken=found.manifest.created))
-
-
-def _summary(run: Run, found: Found | None, replaced, because: str | None, archived: Path | None,
-             save_every) -> str:
-    lines = [f"colab_kit · run {run.name!r}", *("  " + line for line in run.runtime.describe().splitlines()),
-             f"  persistent folder: {run.drive_dir}" + (" (Google Drive)" if run.on_drive else ""),
-             f"  durability: {describe_kind(run.durability)}",
-             f"  local folder: {run.local_dir}"]
-    if run.ranks.distributed:
-        lines.append(f"  processes: {run.ranks.describe()} (the others follow: no lease, uploads or output)")
-    every = f"{save_every} of training" if run.save_every_s else (
-        f"{run.save_every_steps} steps" if run.save_every_steps else "the Trainer's save_steps")
-    lines.append(f"  saves: every {every} and at the end; {run.keep} kept in the cloud")
-    if run.durability == UNCONFIRMED:  # said once: what the kit keeps where it cannot know
-        lines.append(f"  pruning: nothing here confirms an upload, so no rate is guessed: the kit keeps "
-                     f"{run.mirror.ladder.describe()} (start_run(settle=) sets where the doubling begins); "
-                     f"checkpoints are never called in the cloud" + (
-                         ". To confirm uploads and prune by keep instead: ck.start_run(..., confirm='api')"
-                         if run.on_drive else ""))
-    if replaced is not None:
-        lines.append(f"  took over the run folder from host {replaced.host}, pid {replaced.pid}"
-                     + (f": {because}" if because else ""))
-    if archived is not None:
-        lines.append(f"  fresh start: earlier checkpoints moved to {archived}")
-    if found is not None:
-        age = format_age(time.time() - found.manifest.created)
-        lines.append(f"  resume: checkpoint-{found.step} (step {found.step}, saved {age} ago, "
-                     f"{format_bytes(found.manifest.total_bytes)}, from "
-                     f"{'Drive' if found.origin == 'drive' else 'local disk'})")
-        if run.resume_best is not None and run.mirror.best_step != found.step:
-            lines.append(f"  best so far: checkpoint-{run.mirror.best_step} (fetched too, for "
-                         f"load_best_model_at_end)")
-    else:
-        lines.append("  resume: no checkpoint found, starting fresh")
-    if run.mirror.tracker.pending() or run.cloud_step is not None:
-        lines.append(f"  checkpoints {run.mirror.tracker.describe()}")
-    return "\n".join(lines)
 
 
 def _finish_at_exit(ref: "weakref.ref[Run]") -> None:

@@ -46,9 +46,12 @@ def train(run, trainer, *, oom_recovery: bool = True, grow_back_after: int | Non
         raise ValueError("micro_batch needs the kit's training step: leave oom_recovery=True, or use "
                          "gradient_accumulation_steps in TrainingArguments instead")
     close_unheld_runs(f"before run {run.name!r} trains", keep=run)  # an earlier run the notebook let go of
-    replaced = bind(run, trainer)  # a trainer kept from an earlier run of the kernel mirrors into this one
+    replaced, moved_from = bind(run, trainer)  # a trainer kept from an earlier run of the kernel: this run's now
     if replaced:
-        run.journal.write("warn", what="trainer_rebound", replaced=replaced)
+        run.journal.write("warn", what="trainer_rebound", replaced=replaced,
+                          output_dir=str(run.local_dir) if moved_from is not None else None)
+    if moved_from is not None:
+        _say_rebound(run, trainer, moved_from)
     if run.ranks.distributed and int(getattr(trainer.args, "world_size", 1) or 1) == 1:
         # Every process would train the whole model alone and write the same checkpoint files.
         raise ColabKitError(
@@ -115,6 +118,19 @@ def train(run, trainer, *, oom_recovery: bool = True, grow_back_after: int | Non
             keep_open_after_stop(run, trainer, stop.presses)
         else:
             finish_run(run, 300, status, cloud_wait=False)  # the notebook's run.finish() waits for the cloud
+
+
+def _say_rebound(run, trainer, earlier) -> None:
+    """Say that a trainer made for the kernel's earlier run `earlier` now saves into this run's local folder,
+    and, where this run starts fresh, that its model is the one the earlier run trained."""
+    trained = trainer.state.global_step
+    fresh = run.resume_from is None and trained
+    print(f"colab_kit: this trainer was made for run {earlier.name!r}: it now saves into the local folder of run "
+          f"{run.name!r}, {run.local_dir} (TrainingArguments.output_dir was {earlier.local_dir}, whose checkpoints "
+          f"stay as they are)." + (f" Its model is the one run {earlier.name!r} trained to step {trained}, so run "
+                           f"{run.name!r} starts at step 0 from those weights; to train it from the model's first "
+                           f"weights, run the model and Trainer cells again before this one." if fresh else ""),
+          flush=True)
 
 
 def _already_complete(run, planned: int | None, checkpoint) -> bool:

@@ -391,5 +391,8 @@ def test_save_final_exports_a_verified_model_after_the_run(drive, local, drive_f
     assert events(run, "final")[-1]["path"] == str(target)
     assert json.loads((drive / "final" / "metrics.json").read_text()) == {"accuracy": 0.5}
     drive_faults.fail(errno.EIO)
-    with pytest.raises(ck.DriveError, match="saved on local disk at .*call run.save_final"):
+    with pytest.raises(ck.DriveError, match="saved on local disk at .*call run.save_final.*still holds the previous "
+                                            "export, whole"):
         run.save_final(trainer.model, retries=1)
+    drive_faults.heal()
+    assert verify_folder(target) is None  # a failed export never half-replaces the last one (issue 38)
