@@ -34,6 +34,8 @@ GiB = 2**30
 def build(kind: str, small: bool, checkpointing: bool):
     from transformers import BertConfig, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel
 
+    from colab_kit.memory.recipes import set_checkpointing
+
     torch.manual_seed(0)
     if kind == "bert-base":
         config = BertConfig(num_labels=2) if not small else BertConfig(
@@ -45,7 +47,7 @@ def build(kind: str, small: bool, checkpointing: bool):
                                                                      n_layer=2, n_head=2, attn_pdrop=0.0)
         model = GPT2LMHeadModel(config)
     if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        set_checkpointing(model)
     return model
 
 

@@ -26,7 +26,7 @@ from ..distributed.gradients import reduce_gradients, unwrap_ddp
 from .learned import MICRO_BATCH_FILE, MicroBatchMemory
 from .oom import ELSEWHERE, batch_size, describe_memory, memory_numbers
 from .splitstep import MicroBatcher
-from .recipes import checkpointing_requested
+from .recipes import checkpointing_arg, checkpointing_requested
 
 __all__ = ["MICRO_BATCH_FILE", "MicroBatchMemory", "TrainerMicroBatching"]
 
@@ -318,7 +318,7 @@ class TrainerMicroBatching:
             flag = "bf16=True" if gpu is not None and gpu.bf16 else "fp16=True"
             lines.append(f"- TrainingArguments({flag}) for mixed precision;")
         if not gc_on:
-            lines.append("- TrainingArguments(gradient_checkpointing=True): drops most activations for "
+            lines.append(f"- TrainingArguments({checkpointing_arg()}=True): drops most activations for "
                          "about 20-30 % more time;")
         if self._seq:
             lines.append(f"- a shorter max_length than {self._seq} when tokenizing;")

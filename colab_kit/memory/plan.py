@@ -29,6 +29,7 @@ from .._units import format_bytes
 from .gpus import GpuTarget, resolve_target
 from .planinputs import PlanInputs, inputs_for
 from .planrows import PlanRow, make_rows
+from .recipes import checkpointing_arg
 
 __all__ = ["PlanRow", "MemoryPlan", "plan_memory", "planned_micro_batch", "plan_for"]
 
@@ -103,7 +104,7 @@ class MemoryPlan:
         if current is None or row.precision != current.precision:
             changes.append(f"{row.precision}=True" if row.precision != "fp32" else "no fp16/bf16")
         if current is None or row.checkpointing != current.checkpointing:
-            changes.append(f"gradient_checkpointing={row.checkpointing}")
+            changes.append(f"{checkpointing_arg()}={row.checkpointing}")
         if current is None or row.optimizer != current.optimizer:
             changes.append(f"optim='{row.optimizer}'")
         tail = "" if row.micro_batches == 1 else f"; run.train then starts at micro-batches of {row.micro_batch}"

@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, field
 
 from .._units import format_bytes
-from .recipes import checkpointing_requested
+from .recipes import checkpointing_arg, checkpointing_requested
 
 __all__ = ["Finding", "PreflightReport", "preflight"]
 
@@ -239,7 +239,7 @@ def preflight(model, training_args=None, tokenizer=None, *, train_dataset=None, 
                                 "gradient checkpointing (reentrant) with frozen input embeddings: the checkpointed "
                                 "blocks' trainable parameters get no gradient and do not train",
                                 "model.enable_input_require_grads() before training, or "
-                                "gradient_checkpointing_kwargs={'use_reentrant': False}"))
+                                f"{checkpointing_arg(kwargs=True)}={{'use_reentrant': False}}"))
     if tokenizer is not None and hasattr(model, "get_input_embeddings") and model.get_input_embeddings() is not None:
         rows = model.get_input_embeddings().num_embeddings
         if len(tokenizer) > rows:

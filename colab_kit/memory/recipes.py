@@ -16,7 +16,8 @@ from __future__ import annotations
 from ..distributed.ranks import detect as detect_ranks
 from ..runtime import RuntimeInfo, detect_runtime
 
-__all__ = ["memory_args", "make_length_grouping_resumable", "checkpointing_requested", "freeze_layers"]
+__all__ = ["memory_args", "make_length_grouping_resumable", "checkpointing_requested", "checkpointing_arg",
+           "set_checkpointing", "freeze_layers"]
 
 
 def memory_args(runtime: RuntimeInfo | None = None, *, gradient_checkpointing: bool = False,
@@ -44,8 +45,28 @@ def memory_args(runtime: RuntimeInfo | None = None, *, gradient_checkpointing: b
         else:
             args["group_by_length"] = True
     if gradient_checkpointing:
-        args["activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"] = True
+        args[checkpointing_arg()] = True
     return args
+
+
+def set_checkpointing(model, on: bool = True) -> None:
+    """Turn gradient checkpointing on (non-reentrant, as transformers 5 does it) or off on a transformers model,
+    by the installed version's own name (5.x: `activation_checkpointing_enable`; 4.x: `gradient_...`)."""
+    if on:
+        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+        enable({"use_reentrant": False})  # the options, given by position: both versions take them first
+    else:
+        (getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable)()
+
+
+def checkpointing_arg(kwargs: bool = False) -> str:
+    """The TrainingArguments name for gradient checkpointing in the installed transformers: 5.x renamed it
+    `activation_checkpointing` (the old name still works there, with a FutureWarning). `kwargs`: its options'."""
+    from transformers import TrainingArguments
+
+    name = ("activation_checkpointing" if "activation_checkpointing" in TrainingArguments.__dataclass_fields__
+            else "gradient_checkpointing")
+    return name + ("_kwargs" if kwargs else "")
 
 
 def freeze_layers(model, n: int) -> int:

@@ -26,6 +26,8 @@ import time
 import warnings
 from dataclasses import dataclass
 
+from .recipes import set_checkpointing
+
 __all__ = ["StepTrace", "FakeStep", "PRECISIONS"]
 
 PRECISIONS = ("fp32", "fp16", "bf16")
@@ -285,16 +287,11 @@ def _checkpointing(model, on: bool):
     if not on:
         yield
         return
-    enable = getattr(model, "activation_checkpointing_enable", None)
-    if enable is not None:
-        enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    set_checkpointing(model, True)
     try:
         yield
     finally:
-        disable = getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable
-        disable()
+        set_checkpointing(model, False)
 
 
 @contextlib.contextmanager

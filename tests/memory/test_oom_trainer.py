@@ -21,6 +21,7 @@ from transformers import (
 
 import colab_kit as ck
 from colab_kit.checkpoints.journal import read_events
+from colab_kit.memory.recipes import checkpointing_arg
 
 LIMIT = 8
 
@@ -258,7 +259,7 @@ def test_no_fit_even_at_one_sample_is_a_clear_error(drive, local):
         run.train(trainer)
     message = str(info.value)
     assert "even with a micro-batch of 1" in message and "fp16=True" in message
-    assert "gradient_checkpointing=True" in message and "Sequence length" in message
+    assert f"{checkpointing_arg()}=True" in message and "Sequence length" in message
     assert ck.is_oom_error(info.value)
     assert [e["micro_to"] for e in oom_events(run)] == [16, 8, 4, 2, 1]
 

@@ -16,6 +16,7 @@ from transformers import BertConfig, BertForSequenceClassification, GPT2Config, 
 
 import colab_kit as ck
 from colab_kit.memory.plan import planned_micro_batch
+from colab_kit.memory.recipes import checkpointing_requested, set_checkpointing
 from colab_kit.memory.planrows import micro_batches, step_parts
 from colab_kit.memory.steptrace import FakeStep
 from measured_peak import measured_step_peak
@@ -33,7 +34,7 @@ def build(kind, checkpointing=False):
         model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=256, n_embd=128, n_layer=2, n_head=2,
                                            attn_pdrop=0.0))
     if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        set_checkpointing(model)
     return model
 
 
@@ -139,7 +140,7 @@ def test_a_plan_names_what_fits_and_what_to_use_and_leaves_the_model_alone(capsy
     assert {r.checkpointing for r in plan.rows} == {False, True}
     assert plan.chosen is not None and plan.chosen.fits and "<- use" in text
     assert all(r.peak == sum(r.parts.values()) for r in plan.rows)
-    assert not model.is_gradient_checkpointing and all(p.grad is None for p in model.parameters())
+    assert not checkpointing_requested(model) and all(p.grad is None for p in model.parameters())
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
@@ -203,3 +204,37 @@ def test_the_planned_micro_batch_avoids_the_out_of_memory_a_run_without_a_plan_m
     assert oom_events(planned) == [] and trainer.state.global_step == 12
     assert "training starts with micro-batches of 8: the memory plan's" in capsys.readouterr().out
     assert plan.for_configuration("fp32", False).micro_batch == 8
+
+
+def test_planning_with_checkpointing_calls_nothing_deprecated_in_transformers(tmp_path, monkeypatch):
+    """Issue 38, finding 7: no FutureWarning from the kit's own calls (transformers 5 renamed gradient to activation
+    checkpointing), and advice in the installed version's words. `warnings.warn` itself is watched: the plan's
+    trace silences warnings, which would hide a deprecated call there from `-W error`."""
+    import os
+    import traceback
+    import warnings
+
+    from transformers import TrainingArguments
+
+    from colab_kit.memory.recipes import checkpointing_arg
+
+    kit, ours, warn = os.path.dirname(ck.__file__) + os.sep, [], warnings.warn
+
+    def watched(message, category=None, stacklevel=1, *args, **kwargs):
+        if isinstance(category, type) and issubclass(category, FutureWarning) or isinstance(message, FutureWarning):
+            frames = [f for f in traceback.extract_stack()[:-1] if "site-packages" not in f.filename]
+            if frames and frames[-1].filename.startswith(kit):  # the nearest caller outside libraries is the kit
+                ours.append(f"{frames[-1].filename[len(kit):]}:{frames[-1].lineno}: {message}")
+        return warn(message, category, stacklevel + 1, *args, **kwargs)
+
+    monkeypatch.setattr(warnings, "warn", watched)
+    model = build("gpt2", checkpointing=True)
+    args = TrainingArguments(str(tmp_path), report_to=[], max_steps=3, per_device_train_batch_size=4,
+                             **ck.memory_args(gradient_checkpointing=True, group_by_length=False))
+    plan = ck.plan_memory(model, args, batch=batch_for("gpt2", 4, 32), gpu="T4", verbose=False)
+    assert {r.checkpointing for r in plan.rows} == {False, True}  # the checkpointed trace ran
+    ck.preflight(model, args, verbose=False)
+    set_checkpointing(model, False)
+    assert ours == [], "\n".join(ours)
+    advice = plan.advice()
+    assert "gradient_checkpointing" not in advice or checkpointing_arg() == "gradient_checkpointing"
