@@ -110,6 +110,7 @@ class CloudTracker:
             verdict = validity.check(path, step=step, hashes=False)
             if verdict.state != validity.VALID and verdict.reason != validity.SIZES_MATCH:
                 log.debug("not adopting %s: %s", path, verdict)
+                complete = complete and not verdict.unknown  # unknown now (a read failed, a file hidden): again later
                 continue
             try:
                 written_at = storage.stat(path / MANIFEST).st_mtime

@@ -12,11 +12,10 @@ proof holds *now*, read afresh, never remembered:
       now (a VM uploads files in the order they were written, so whatever of the later one reached the
       cloud, the earlier one reached first; and since every deletion needs an earlier one, the run's
       first checkpoint that verifies is never deleted there). "Written before" is never read off a
-      clock (`write_order`): what this runtime wrote is ordered by its own count, and comes after what
-      other runtimes wrote, whose order is their files' times. A target that does not verify now (read
-      whole and not matching, or a file its manifest lists missing at looks spaced in time) holds
-      nothing a resume could use: any other checkpoint safe now, by the same evidence, vouches for its
-      deletion, and a new checkpoint of its step may be written over it without one;
+      clock (`evidence.py`). A target that holds no checkpoint (`Evidence.holds_no_checkpoint`: a
+      manifest read whole that does not match, or a listed file missing at every look and for minutes)
+      loses nothing a resume could use: any other checkpoint safe now, by the same evidence, vouches for
+      its deletion, and a new checkpoint of its step may be written over it without one;
   (b) the target is the object that was chosen: the same resolved path and the same manifest bytes
       (through the API: the folder's id found afresh from Drive's root, and its manifest's md5 there);
   (c) this runtime holds the lease (`Lease.check()` is True, not unknown).
@@ -27,7 +26,6 @@ Anything short of that keeps the folder and journals `kept` with the reason; the
 from __future__ import annotations
 
 import hashlib
-import itertools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +35,7 @@ from ..checkpoints import storage, validity
 from ..checkpoints.manifest import MANIFEST, Manifest, parse_manifest
 from .deleters import ApiDeleter, TrashFreeDeleter
 from .drivefs import API, DRIVEFS, PLAIN, UNCONFIRMED, in_cloud, read_upload
+from .evidence import Evidence
 from .uploads import cloud_files
 
 __all__ = ["Chosen", "choose", "act", "CheckpointGate"]
@@ -113,20 +112,7 @@ class CheckpointGate:
         self.lease_check, self.lease = lease_check, lease
         self.deleter = ApiDeleter(api) if kind == API else TrashFreeDeleter(kind)
         self._told: dict[str, str] = {}  # target -> the reason last journaled as kept (said once)
-        self._written: dict[str, int] = {}  # folder -> this runtime's count when it last wrote there
-        self._count = itertools.count(1)
-        self.confirmed: Callable[[], set[int]] = set  # the steps confirmed in the cloud (the tracker's)
-
-    def wrote(self, folder: Path) -> None:
-        """This runtime has just written (published, repaired, replaced) the checkpoint `folder`."""
-        self._written[str(folder)] = next(self._count)
-
-    def write_order(self, chosen: Chosen) -> tuple:
-        """When `chosen` was written, relative to the others, without asking a clock: this runtime's writes by
-        its own count, after every other runtime's (the lease was taken after they wrote), which go by the
-        time their mount gave their files. A VM's clock can be minutes off, and set back."""
-        count = self._written.get(str(chosen.path))
-        return (1, count, 0.0, chosen.step) if count is not None else (0, 0, chosen.written_at, chosen.step)
+        self.evidence = Evidence()  # the order of writes, and what holds no checkpoint
 
     @property
     def pending(self) -> list[Path]:
@@ -157,11 +143,12 @@ class CheckpointGate:
         """Write another checkpoint of the same step over `target` (`write()`), on the same proofs as a
         deletion: the one there now may be the only copy of its training in the cloud. Over a folder that holds
         no checkpoint now, no witness is needed. Returns None when written, else why it was kept."""
-        def vouched() -> str | None:  # over a folder that holds no checkpoint now, nothing is lost
-            return None if self._holds_no_checkpoint(target) else self._witnessed(target, witness)
+        def vouched() -> str | None:  # over a folder that holds no checkpoint, nothing is lost
+            why = self._witnessed(target, witness)
+            return None if why is None or self.evidence.holds_no_checkpoint(target) else why
 
         def write_now():
-            self.wrote(target.path)
+            self.evidence.wrote(target.path)
             write()
 
         kept = []
@@ -240,27 +227,23 @@ class CheckpointGate:
         verdict = validity.check(witness.path, step=witness.step)
         if not verdict.valid:
             return f"{witness.path.name} does not verify now ({verdict})"
-        if self._holds_no_checkpoint(target):  # newer or older, a witness safe now is enough
-            return None if self.kind in (UNCONFIRMED, PLAIN) else self._in_cloud_now(witness, verdict.manifest)
+        why = self._vouches(target, witness, verdict.manifest)
+        if why is None or not self.evidence.holds_no_checkpoint(target):
+            return why
+        # It holds no checkpoint: a witness safe now is enough, newer or older (read last: it reads the target).
+        return None if self.kind in (UNCONFIRMED, PLAIN) else self._in_cloud_now(witness, verdict.manifest)
+
+    def _vouches(self, target: Chosen, witness: Chosen, manifest: Manifest) -> str | None:
+        """The rule of the folder's kind, for a `witness` that verifies now: None when it vouches for `target`."""
         if self.kind == UNCONFIRMED:
-            if not self.write_order(witness) < self.write_order(target):
+            if not self.evidence.write_order(witness) < self.evidence.write_order(target):
                 return f"{witness.path.name} was not written before it (nothing here confirms uploads)"
             return None
         if witness.step <= target.step:
             return f"{witness.path.name} is not newer"
         if self.kind == PLAIN:
             return None
-        return self._in_cloud_now(witness, verdict.manifest)
-
-    def _holds_no_checkpoint(self, target: Chosen) -> bool:
-        """Does `target` fail to verify now: its manifest read whole and not matching, or a file it lists missing
-        at looks spaced in time (and never confirmed in the cloud)? A read that fails is not an answer."""
-        if target.manifest_raw is None:
-            return False
-        verdict = validity.check(target.path, step=target.step)
-        if verdict.absent and verdict.manifest is not None:
-            verdict = validity.settled(target.path, step=target.step, confirmed=target.step in self.confirmed())
-        return verdict.state == validity.INVALID
+        return self._in_cloud_now(witness, manifest)
 
     def _in_cloud_now(self, witness: Chosen, manifest: Manifest) -> str | None:
         try:

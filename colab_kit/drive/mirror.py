@@ -71,6 +71,7 @@ class Mirror(MirrorWorker):
         threaded: False runs no thread: the caller calls `step()` (the simulator).
         known_steps: the checkpoints the run's journal says the folder holds (a missing one is looked
             for again before a publish writes into its folder).
+        confirmed_steps: those the journal says reached the cloud (never taken as holding no checkpoint).
     """
 
     def __init__(self, run_dir: str | Path, *, keep: int, journal: Journal, notices: Notices,
@@ -78,7 +79,7 @@ class Mirror(MirrorWorker):
                  backoff: tuple[float, float] = (2.0, 120.0), kind: str = PLAIN, prune_after: str = "cloud",
                  writer: bool = True, ladder: Ladder = Ladder(), pace_bps: float = 1e6, lease=None,
                  on_lease_lost: Callable[[], None] | None = None, api=None, threaded: bool = True,
-                 known_steps=(), kind_settled: bool = True):
+                 known_steps=(), confirmed_steps=(), kind_settled: bool = True):
         if prune_after not in ("cloud", "written"):
             raise ValueError(f"prune_after={prune_after!r}: use 'cloud' or 'written'")
         self.run_dir = Path(run_dir)
@@ -89,7 +90,8 @@ class Mirror(MirrorWorker):
         rule_kind = PLAIN if prune_after == "written" else kind  # the old rule: written is safe everywhere
         self.gate = CheckpointGate(self.run_dir / CHECKPOINTS, kind=rule_kind, journal=journal,
                                    lease_check=self._lease_ok if lease is not None else None, api=api, lease=lease)
-        self.gate.confirmed = lambda: self.tracker.confirmed_steps(verified_only=False)
+        told = set(confirmed_steps)  # what the journal says reached the cloud, followed or not
+        self.gate.evidence.confirmed = lambda: self.tracker.confirmed_steps(verified_only=False) | told
         self.pruner = Pruner(self.run_dir / CHECKPOINTS, kind=rule_kind, keep=self.keep, gate=self.gate, ladder=ladder)
         self.deferred = DeferredWrites()
         self.kept = KeptCopies(self.tracker, notices, journal)
@@ -109,6 +111,7 @@ class Mirror(MirrorWorker):
         self._prune_wanted = self._adopt_wanted = self._paused = self._closed = self._woken = self._pruning = False
         self._prune_at = float("inf")  # a pass is due then (a doubt to look at again, the ladder)
         self._adopt_at = float("inf")  # what the folder held at the start is read again then (a read failed)
+        self._prune_backoff = 0.0  # seconds until the next pass after a doubt or a kept deletion (doubling)
         self._reprobe_at = (float("inf") if kind_settled or kind != UNCONFIRMED
                             else clock.monotonic() + worker.REPROBE_S)
         self._cond = threading.Condition()
@@ -251,6 +254,8 @@ class Mirror(MirrorWorker):
 
     def _lease_ok(self) -> bool | None:
         """Is the lease still ours? True, False (lost: pauses, for good) or None (unknown: not now)."""
+        if self._closed and threading.current_thread() is self._thread:
+            return False  # a worker told to stop (one that outlived close's wait) acts on nothing more
         if self.lease is None:
             return True
         held = self.lease.check()

@@ -102,7 +102,7 @@ class Publisher:
         if state == "same":
             log.info("checkpoint-%d is already on %s", snap.step, self.run_dir)
         elif state == "repair":
-            self.gate.wrote(target)  # counted as the writing begins: what it writes queues behind what came before
+            self.gate.evidence.wrote(target)  # counted as the writing begins: what it writes queues behind what came before
             written = repair_folder(snap.path, target, manifest)
             log.info("checkpoint-%d on %s repaired (%s)", snap.step, self.run_dir, ", ".join(written) or "nothing")
         elif state == "other":
@@ -116,7 +116,7 @@ class Publisher:
         else:  # "new": nothing there, or leftovers without a manifest
             self._check_space(snap)
             self.made.add(target)
-            self.gate.wrote(target)
+            self.gate.evidence.wrote(target)
             publish_folder(snap.path, target, manifest)
         return self._written(snap, target, manifest, started)
 
@@ -164,7 +164,7 @@ class Publisher:
         if target in self.made:  # this runtime wrote it: the same step saved twice, the first save already there
             self.notices.add(f"checkpoint-{snap.step} was saved a second time at the same step after its first save "
                              f"had reached {self.run_dir}: the first save stays there (replacing it could leave no "
-                             f"copy in the cloud) and the second was not uploaded; the next checkpoint will be")
+                             f"copy in the cloud) and the second was not uploaded; later checkpoints are, as usual")
             self.journal.write("warn", what="saved_twice", step=snap.step)
             return
         self.notices.add(f"{target} holds another checkpoint of step {snap.step} (from an earlier timeline) that may "

@@ -129,7 +129,7 @@ class Pruner:
         if followed - set(listed):  # a listing that hides a checkpoint: look again later
             return self._doubt(f"checkpoint-{min(followed - set(listed))} is missing from the listing")
         if self.kind == UNCONFIRMED:
-            plan = self._plan_ladder(listed, protect, best, tight, tracker.confirmed_steps(verified_only=False))
+            plan = self._plan_ladder(listed, protect, best, tight)
         else:
             plan = self._plan_confirmed(tracker, listed, protect, best, 1 if tight else self.keep)
         if plan is None:
@@ -177,7 +177,7 @@ class Pruner:
             return self._doubt(f"checkpoint-{newest} could not be read ({exc.strerror or exc})")
         return doomed, witness, f"checkpoint-{newest} is {'in the cloud' if self.kind != PLAIN else 'saved'}"
 
-    def _plan_ladder(self, listed: dict[int, Path], protect, best, tight: bool, confirmed: set[int]):
+    def _plan_ladder(self, listed: dict[int, Path], protect, best, tight: bool):
         chosen: dict[int, Chosen] = {}
         for step, path in listed.items():
             try:
@@ -187,11 +187,8 @@ class Pruner:
         finished = {s: c for s, c in chosen.items() if c.manifest_raw is not None}
         if len(finished) < 2:
             return [], None, ""
-        order = self.gate.write_order  # written before or after: never read off a clock, which can be set back
-        found = self._anchor(sorted(finished.values(), key=order), confirmed)
-        if found is None:
-            return None
-        anchor, invalid = found
+        order = self.gate.evidence.write_order  # written before or after: never read off a clock
+        anchor, invalid = self._anchor(sorted(finished.values(), key=order))
         if anchor is None:  # nothing verifies: nothing is deleted
             return [], None, ""
         later = {s: c for s, c in finished.items() if order(c) >= order(anchor)}
@@ -205,28 +202,24 @@ class Pruner:
         return doomed, anchor, f"the ladder keeps checkpoint-{anchor.step} (the first written that verifies) and " \
                                f"one per doubling of age"
 
-    def _anchor(self, oldest_first: list[Chosen], confirmed: set[int]):
-        """(the oldest checkpoint that verifies, or None; the steps of the older ones that do not), or None on a
-        doubt. A file missing at one look is looked at again, spaced in time (`validity.settled`): only then does
-        a checkpoint never confirmed in the cloud count as invalid."""
+    def _anchor(self, oldest_first: list[Chosen]) -> tuple[Chosen | None, set[int]]:
+        """(the first written checkpoint that verifies, or None; the steps of those written before it that hold no
+        checkpoint, by the gate's evidence: they go, vouched for by it). One written before it that cannot be
+        read now is neither: it stays, and the next pass looks again."""
         invalid: set[int] = set()
         for chosen in oldest_first:
             verdict = validity.check(chosen.path, step=chosen.step)
-            if verdict.absent:
-                verdict = validity.settled(chosen.path, step=chosen.step, confirmed=chosen.step in confirmed)
             if verdict.valid:
                 return chosen, invalid
-            if verdict.state == validity.UNFINISHED:  # its manifest went at every look: no checkpoint, not ours
-                continue
-            if verdict.state != validity.INVALID:  # a read failed: unknown
-                return self._doubt(f"checkpoint-{chosen.step}, older than any that verifies, cannot be read now "
-                                   f"({verdict})")
+            if verdict.state == validity.UNFINISHED or not self.gate.evidence.holds_no_checkpoint(chosen):
+                continue  # no manifest (not a checkpoint yet), or unknown for now
             invalid.add(chosen.step)
             if chosen.step not in self._reported:
                 self._reported.add(chosen.step)
-                log.info("checkpoint-%d does not verify (%s): it goes once a newer one verifies", chosen.step,
-                         verdict.reason)
-                self.gate.journal.write("warn", what="invalid_checkpoint", step=chosen.step, reason=verdict.reason)
+                reason = validity.check(chosen.path, step=chosen.step).reason
+                log.info("checkpoint-%d holds no checkpoint (%s): it goes, vouched for by a newer one", chosen.step,
+                         reason)
+                self.gate.journal.write("warn", what="invalid_checkpoint", step=chosen.step, reason=reason)
         return None, invalid
 
     def _doubt(self, why: str) -> None:

@@ -209,9 +209,12 @@ class MirrorWorker:
     def _prune(self) -> None:
         protect = {s.step for s in (self._current,) if s is not None} | self.protected
         done = self.pruner.prune(self.tracker, protect=protect, best=self.best_step)
-        if done is None or self.pruner.again:  # a doubt, or a deletion the gate kept: looked at again soon
-            self._prune_at = clock.monotonic() + _PRUNE_AGAIN_S
-        elif self.pruner.kind == UNCONFIRMED and len(self.tracker.checkpoint_steps()) > 1:
+        if done is None or self.pruner.again:  # a doubt, or a deletion the gate kept: looked at again, backing off
+            self._prune_backoff = min(_LADDER_AGAIN_S, 2 * self._prune_backoff or _PRUNE_AGAIN_S)
+            self._prune_at = clock.monotonic() + self._prune_backoff
+            return
+        self._prune_backoff = 0.0
+        if self.pruner.kind == UNCONFIRMED and len(self.tracker.checkpoint_steps()) > 1:
             self._prune_at = clock.monotonic() + _LADDER_AGAIN_S
         else:
             self._prune_at = float("inf")

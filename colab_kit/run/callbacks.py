@@ -71,6 +71,9 @@ def rebind_output_dir(run, trainer, earlier: list):
         folder = getattr(cb, "logging_dir", None)
         if type(cb).__name__ == "TensorBoardCallback" and folder and old in Path(folder).absolute().parents:
             cb.logging_dir = None  # taken again from the new output_dir at the next on_train_begin
+            if getattr(cb, "tb_writer", None) is not None:  # open still after a stopped run: not into that folder
+                cb.tb_writer.close()
+                cb.tb_writer = None
     return owner
 
 
@@ -95,6 +98,7 @@ class SaveScheduleCallback(TrainerCallback):
         self.run = run
         self._last_save_seconds = 0.0
         self._last_saved_step: int | None = None
+        self._at_epoch_end: int | None = None  # a step whose save is left to the Trainer's epoch-end save
         self._journaled_interval: float | None = None
         self._told = False
 
@@ -119,7 +123,7 @@ class SaveScheduleCallback(TrainerCallback):
         return control
 
     def on_epoch_end(self, args, state, control, **kwargs):
-        if self._at_epoch_end == state.global_step and not control.should_save:  # unset since: asked for here
+        if self._at_epoch_end == state.global_step:  # the save left to this epoch end: made sure of, once
             control.should_save = True
             check_local_space(self.run, kwargs.get("model"), state.global_step)
         self._at_epoch_end = None

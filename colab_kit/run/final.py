@@ -60,8 +60,8 @@ def save_final(run, model, tokenizer=None, metrics: dict | None = None, retries:
         print(f"colab_kit: {target} already holds this model (verified); it is left as it is")
         return target
     archived = None
+    staging = run.drive_dir / f"{_STAGING}{uuid.uuid4().hex[:8]}"  # one for this export: a retry writes into it
     for attempt in range(1, retries + 1):
-        staging = run.drive_dir / f"{_STAGING}{uuid.uuid4().hex[:8]}"
         try:
             _check_lease(run)  # a newer export replaces the last one: only by the runtime that holds the run
             publish_folder(local, staging, manifest)
@@ -100,15 +100,16 @@ def _holds(target: Path, manifest: Manifest) -> bool:
 
 
 def _swap_in(run, staging: Path, target: Path, manifest: Manifest) -> Path | None:
-    """The verified `staging` becomes `target`; the export it replaces (and any staging left by an earlier,
-    interrupted export) moves to archive/, never deleted. Returns where the replaced export went.
+    """The verified `staging` becomes `target`; the export it replaces (and what an earlier, interrupted export
+    left beside it: a copy half-written, or one a stop kept from its place) moves to archive/, never deleted.
+    Returns where the replaced export went.
 
     Raises:
         OSError: the lease is not this runtime's now (nothing was moved), or a move failed."""
     moved = {}
 
     def swap():
-        stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+        stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:4]  # two in one second
         leftovers = [e.path for e in storage.list_dir(run.drive_dir)
                      if e.name.startswith(_STAGING) and e.path != str(staging)]
         for old in ([target] if storage.exists(target) else []) + [Path(p) for p in leftovers]:

@@ -58,8 +58,8 @@ class Run:
                  save_every_s: float | None, save_every_steps: int | None, keep: int,
                  runtime: RuntimeInfo, lease: Lease | None, journal: Journal, notices: Notices,
                  gauges: bool = True, kind: str = PLAIN, prune_after: str = "cloud", ranks: Ranks | None = None,
-                 ladder: Ladder = Ladder(), pace_bps: float = 1e6, api=None, known_steps=(), threaded: bool = True,
-                 kind_settled: bool = True):
+                 ladder: Ladder = Ladder(), pace_bps: float = 1e6, api=None, known_steps=(), confirmed_steps=(),
+                 threaded: bool = True, kind_settled: bool = True):
         self.name = name
         self.drive_dir = drive_dir
         self.local_dir = local_dir
@@ -78,7 +78,8 @@ class Run:
         self.resume_state: dict = {}
         self.clock = TrainClock()
         self._mirror_settings = {"kind": kind, "prune_after": prune_after, "ladder": ladder, "pace_bps": pace_bps,
-                                 "api": api, "known_steps": set(known_steps), "threaded": threaded,
+                                 "api": api, "known_steps": set(known_steps),
+                                 "confirmed_steps": set(confirmed_steps), "threaded": threaded,
                                  "kind_settled": kind_settled}
         self.mirror = self.new_mirror()
         self.fingerprint: dict | None = None

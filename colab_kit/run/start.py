@@ -226,8 +226,8 @@ def open_claimed(name: str, drive_dir: Path, local: Path, *, lease: Lease, runti
         run = Run(name, drive_dir, local, on_drive=on_drive, save_every_s=save_every_s,
                   save_every_steps=save_every_steps, keep=keep, runtime=runtime, lease=lease,
                   journal=journal, notices=notices, gauges=gauges, kind=kind, prune_after=_PRUNE_AFTER, ranks=ranks,
-                  ladder=ladder, pace_bps=pace_bps, api=api, known_steps=finding.told.expected, threaded=threaded,
-                  kind_settled=settled)
+                  ladder=ladder, pace_bps=pace_bps, api=api, known_steps=finding.told.expected,
+                  confirmed_steps=finding.told.confirmed, threaded=threaded, kind_settled=settled)
         archived = None if resume is not False else archive_checkpoints(run, expected=bool(finding.told.expected))
         if found is not None:
             fetch_best_of(run, finding)  # before adopt_existing may prune it

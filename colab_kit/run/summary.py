@@ -68,5 +68,5 @@ def stopped_opening(name: str, drive_dir: Path, replaced) -> str:
     """The stop button pressed while start_run opens the claimed folder: the uploader stopped, the lease let go."""
     return (f"colab_kit: stopped while opening run {name!r}"
             + (f" (taken over from host {replaced.host})" if replaced is not None else "")
-            + f": its uploader is stopped and {drive_dir} is released again; nothing there was changed or deleted. "
+            + f": its uploader is stopped and {drive_dir} is released again, so nothing more is written there. "
               f"Run this cell again to open it.")

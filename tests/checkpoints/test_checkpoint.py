@@ -98,3 +98,22 @@ def test_list_ignores_other_names_and_sorts_numerically(tmp_path):
     for name in ("checkpoint-9", "checkpoint-10", "checkpoint-100", "checkpoint-x", "notes", "checkpoint-5.tmp-1"):
         (tmp_path / name).mkdir()
     assert [s for s, _ in list_checkpoints(tmp_path)] == [100, 10, 9]
+
+
+def test_a_second_save_of_a_step_gets_a_snapshot_folder_of_its_own_and_a_restart_recovers_it(tmp_path):
+    """Issue 38, finding 1: a second save of one step never shares the first one's snapshot folder, and after a
+    kill, the record that matches the Trainer's files (the second save's) gives the local checkpoint its
+    manifest."""
+    from colab_kit.checkpoints.manifest import read_manifest
+    from colab_kit.checkpoints.snapshot import discard, recover_saved, take_snapshot
+
+    source = make_checkpoint(tmp_path / "out", 10, manifest=False)
+    first = take_snapshot(source, tmp_path / "snaps", 10)
+    (source / "sub" / "state.json").unlink()  # the Trainer writes the step again: new files
+    (source / "sub" / "state.json").write_text('{"step": 10, "eval": 1}')
+    second = take_snapshot(source, tmp_path / "snaps", 10)
+    assert first.path.name == "checkpoint-10" and second.path.name == "checkpoint-10.2"
+    discard(first)  # letting go of the first leaves the second whole
+    assert (second.path / "sub" / "state.json").read_text() == '{"step": 10, "eval": 1}'
+    assert recover_saved(tmp_path / "snaps") == [10]
+    assert read_manifest(source).files["sub/state.json"].size == len('{"step": 10, "eval": 1}')

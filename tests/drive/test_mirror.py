@@ -197,3 +197,38 @@ def test_pause_stops_uploads(mirror, drive, local):
     submit(mirror, local, 10)
     assert not mirror.drain(0.2)
     assert not (drive / "checkpoints" / "checkpoint-10").exists()
+
+
+def test_what_one_failed_read_left_unknown_is_read_again(tmp_path, monkeypatch):
+    """A checkpoint found at the start whose state could not be read is adopted at a later round (it was never
+    followed, so never pruned), and an upload whose manifest size could not be read as it was written gets it
+    at the next poll (without it, Drive's API could never confirm the folder)."""
+    from made import make_checkpoint
+
+    from colab_kit.checkpoints.manifest import read_manifest
+    from colab_kit.drive.cloud import CloudTracker
+    from colab_kit.drive.drivefs import DRIVEFS
+    from colab_kit.drive.uploads import learn_manifest, upload_for
+
+    root = tmp_path / "checkpoints"
+    for step in (10, 20):
+        make_checkpoint(root, step)
+    tracker = CloudTracker(DRIVEFS)
+    stat = storage.stat
+
+    def eio_on_20(path):
+        if "checkpoint-20" in str(path):
+            raise OSError(errno.EIO, "Input/output error", str(path))
+        return stat(path)
+
+    monkeypatch.setattr(storage, "stat", eio_on_20)
+    assert tracker.adopt(root) is False and tracker.checkpoint_steps() == {10}
+    monkeypatch.setattr(storage, "stat", stat)
+    assert tracker.adopt(root) is True and tracker.checkpoint_steps() == {10, 20}
+
+    monkeypatch.setattr(storage, "stat", eio_on_20)
+    upload = upload_for(root / "checkpoint-20", read_manifest(root / "checkpoint-20"), "checkpoint-20")
+    assert MANIFEST not in upload.sizes
+    monkeypatch.setattr(storage, "stat", stat)
+    learn_manifest(upload)
+    assert upload.sizes[MANIFEST] == (root / "checkpoint-20" / MANIFEST).stat().st_size

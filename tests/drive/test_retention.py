@@ -260,11 +260,16 @@ def test_where_nothing_confirms_uploads_the_ladder_keeps_one_whatever_the_rate(t
 
 
 @pytest.mark.parametrize("damage", ["model file never arrived", "model file cut short"])
-def test_an_invalid_oldest_checkpoint_is_reported_and_goes_instead_of_holding_every_deletion_back(tmp_path, damage):
+def test_an_invalid_oldest_checkpoint_is_reported_and_goes_instead_of_holding_every_deletion_back(tmp_path, damage,
+                                                                                                 monkeypatch):
     """Issue 38, finding 2: a runtime recycled while its first checkpoint uploaded left a manifest whose model
     file never reached Drive. The ladder's anchor had to verify and was never a deletion target, so nothing was
     ever deleted again: unbounded growth against the quota. The anchor is now the oldest checkpoint that
-    verifies; the invalid one is reported and goes, vouched for by it."""
+    verifies; the invalid one is reported and goes, vouched for by it (a missing file: once missing at passes
+    ABSENT_FOR_S apart; a file cut short is positive evidence at once)."""
+    from colab_kit.drive import evidence
+
+    monkeypatch.setattr(evidence, "ABSENT_FOR_S", 0.3)
     folder = Folder(tmp_path / "checkpoints", kind=UNCONFIRMED, keep=3, base_s=600.0)
     every = 600.0
     for k in range(12):
@@ -275,6 +280,10 @@ def test_an_invalid_oldest_checkpoint_is_reported_and_goes_instead_of_holding_ev
     else:
         model.write_bytes(model.read_bytes()[:100])
     assert folder.prune() is not None
+    if damage == "model file never arrived":  # missing at every look of one pass: not yet a fact
+        assert 10 in folder.steps()
+        time.sleep(0.3)
+        assert folder.prune() is not None
     kept = folder.steps()
     assert 10 not in kept and kept[0] == 20 and kept[-1] == 120  # before: nothing went, pass after pass
     assert kept == [20, 50, 90, 110, 120]
@@ -307,3 +316,47 @@ def test_pruning_is_journaled_before_the_first_file_goes(tmp_path):
 def _clean(tmp_path):
     yield
     shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def test_a_checkpoint_the_journal_confirmed_is_never_taken_for_none_when_a_file_hides(tmp_path, monkeypatch):
+    """Where nothing confirms uploads now, a checkpoint an earlier runtime's journal said reached the cloud, with
+    a file missing at every look of a pass (and for longer than ABSENT_FOR_S), is kept: only positive evidence
+    makes such a checkpoint invalid."""
+    from colab_kit.drive import evidence
+
+    monkeypatch.setattr(evidence, "ABSENT_FOR_S", 0.0)
+    folder = Folder(tmp_path / "checkpoints", kind=UNCONFIRMED, keep=3, base_s=600.0)
+    for k in range(6):
+        folder.add(10 * (k + 1), written_ago=(5 - k) * 3600.0)
+    folder.gate.evidence.confirmed = lambda: {10}  # the journal's word (Mirror passes it)
+    (folder.root / "checkpoint-10" / "model.safetensors").rename(tmp_path / "hidden")
+    assert folder.prune() is not None and folder.prune() is not None
+    assert 10 in folder.steps()
+
+
+def test_a_folder_that_holds_no_checkpoint_is_written_over_without_a_witness_and_a_whole_one_is_not(tmp_path):
+    from colab_kit.drive.gate import choose
+
+    folder = Folder(tmp_path / "checkpoints", kind=DRIVEFS, keep=1)
+    whole = folder.add(10)
+    broken = folder.add(20)
+    (broken / "model.safetensors").write_bytes(b"cut short")  # positive evidence: another size
+    written = []
+    assert folder.gate.replace(choose(broken, 20), None, lambda: written.append(20)) is None
+    why = folder.gate.replace(choose(whole, 10), None, lambda: written.append(10))
+    assert written == [20] and why == "no checkpoint vouches for it"
+
+
+def test_written_before_is_this_runtimes_own_count_after_every_other_runtimes_writes(tmp_path):
+    """The order the gate trusts where nothing confirms uploads: never the files' times for this runtime's own
+    writes (a clock set back gives a later write an earlier time)."""
+    from colab_kit.drive.gate import choose
+
+    folder = Folder(tmp_path / "checkpoints", kind=UNCONFIRMED, keep=3)
+    theirs = folder.add(10, written_ago=60.0)
+    later, earlier = folder.add(30, written_ago=7200.0), folder.add(20)  # 30 written after 20, its time earlier
+    order = folder.gate.evidence
+    order.wrote(earlier)
+    order.wrote(later)
+    keys = {step: order.write_order(choose(path, step)) for step, path in ((10, theirs), (20, earlier), (30, later))}
+    assert sorted(keys, key=keys.get) == [10, 20, 30]

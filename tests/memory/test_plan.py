@@ -238,3 +238,20 @@ def test_planning_with_checkpointing_calls_nothing_deprecated_in_transformers(tm
     assert ours == [], "\n".join(ours)
     advice = plan.advice()
     assert "gradient_checkpointing" not in advice or checkpointing_arg() == "gradient_checkpointing"
+
+
+def test_checkpointing_is_named_as_the_installed_transformers_names_it():
+    import transformers
+    from packaging.version import Version
+
+    from colab_kit.memory.recipes import checkpointing_arg
+
+    installed = Version(transformers.__version__)
+    if installed < Version("5"):
+        assert (checkpointing_arg(), checkpointing_arg(kwargs=True)) == ("gradient_checkpointing",
+                                                                        "gradient_checkpointing_kwargs")
+    elif installed >= Version("5.24"):  # measured: 5.24 and 5.25 warn on the old name
+        assert (checkpointing_arg(), checkpointing_arg(kwargs=True)) == ("activation_checkpointing",
+                                                                        "activation_checkpointing_kwargs")
+    else:
+        assert checkpointing_arg() in ("gradient_checkpointing", "activation_checkpointing")

@@ -82,7 +82,7 @@ def test_stop_while_the_run_opens_leaves_no_uploader_and_releases_the_folder(dri
     with pytest.raises(KeyboardInterrupt):
         ck.start_run("r", drive=drive, local_dir=local / "r", gauges=False)
     said = capsys.readouterr().out
-    assert "is released again; nothing there was changed or deleted. Run this cell again" in said
+    assert "is released again, so nothing more is written there. Run this cell again" in said
     assert kit_threads() == before and open_runs() == []
     assert read_lease(drive / "r").released
     monkeypatch.undo()

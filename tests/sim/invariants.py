@@ -13,7 +13,7 @@
   I6  a runtime that lives and beats is never taken over unasked: no takeover without takeover=True while the
       holder runs and its heartbeat reached the cloud less than a heartbeat interval before;
 and once the faults healed and the runtime holding the run had the time its uploads need (`World._wind_down`):
-  I7  what it saved last is whole in the cloud (a save is never lost on the way, nor said to be safe when not);
+  I7  what it saved last is whole in the cloud, or one further along is (a save is never lost on the way);
   I8  retention made progress: the folder holds no more checkpoints than the rules keep (`keep` where uploads
       are confirmed, the ladder where nothing is), plus what is newer than the newest whole one.
 """
@@ -117,7 +117,9 @@ class Invariants:
     def settled(self, rt) -> list[tuple[str, str]]:
         """What breaks I7 and I8 for `rt`, the runtime holding the run, now: [(code, text)]."""
         complete = self.complete_steps()
-        if rt.saved is not None and rt.saved not in complete:
+        # A checkpoint further along (another timeline's, which reached the cloud after this runtime started
+        # behind it) supersedes its last save, as a resume would: steps are compared, whatever the timeline.
+        if rt.saved is not None and rt.saved not in complete and not any(step > rt.saved for step in complete):
             return [("I7", f"{rt} saved checkpoint-{rt.saved} last, and with every fault healed it is not whole in the "
                            f"cloud (whole there: {sorted(complete)})")]
         drive, root = self.w.drive, self._root

@@ -146,14 +146,20 @@ def the_oldest_must_verify(patch) -> None:
     """Issue 38, finding 2: the ladder's anchor was the oldest checkpoint, which had to verify: one that never
     would (a manifest whose model file died with its VM) held every deletion back for good."""
 
-    def anchor(self, oldest_first, confirmed):
-        first = oldest_first[0]
-        verdict = validity.check(first.path, step=first.step)
-        if not verdict.valid:
-            return self._doubt(f"checkpoint-{first.step}, the oldest, does not verify now ({verdict})")
-        return first, set()
+    plan_now = retention.Pruner._plan_ladder
 
-    patch(retention.Pruner, "_anchor", anchor)
+    def plan(self, listed, protect, best, tight):
+        try:
+            finished = [c for c in (choose(path, step) for step, path in listed.items()) if c.manifest_raw is not None]
+        except OSError as exc:
+            return self._doubt(str(exc))
+        if len(finished) >= 2:
+            oldest = min(finished, key=lambda c: (c.written_at, c.step))
+            if not validity.check(oldest.path, step=oldest.step).valid:
+                return self._doubt(f"checkpoint-{oldest.step}, the oldest, does not verify now")
+        return plan_now(self, listed, protect, best, tight)
+
+    patch(retention.Pruner, "_plan_ladder", plan)
 
 
 def one_look_at_the_folder(patch) -> None:
