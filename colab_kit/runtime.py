@@ -7,6 +7,7 @@ answer, and nothing is imported that a laptop without a GPU lacks.
 from __future__ import annotations
 
 import os
+import platform
 import sys
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
@@ -15,7 +16,7 @@ from pathlib import Path
 from ._units import format_bytes
 
 __all__ = ["KIT_VERSION", "GpuInfo", "RuntimeInfo", "in_colab", "in_notebook", "gpu_info", "host_ram_limit", "detect_runtime",
-           "require_gpu"]
+           "require_gpu", "library_versions"]
 
 
 
@@ -143,6 +144,32 @@ def gpu_info() -> GpuInfo | None:
         return _gpu_from_nvml()
     except Exception:  # no NVML library, no driver, no device: all mean "ask elsewhere"
         return _gpu_from_torch()
+
+
+_LIBRARIES = ("torch", "transformers", "peft", "accelerate", "trl", "safetensors")
+_versions: dict[str, str] | None = None
+
+
+def library_versions() -> dict[str, str]:
+    """What a checkpoint is written with: Python, the libraries that read it back, CUDA and the GPU (recorded in
+    every manifest; a resume under others says what changed, `run/drift.py`). Read once a process (a package
+    upgraded under a running kernel is not the one it runs anyway); CUDA's, from the torch it has imported."""
+    global _versions
+    if _versions is None:
+        found = {"python": platform.python_version()}
+        for name in _LIBRARIES:
+            try:
+                found[name] = version(name)
+            except PackageNotFoundError:
+                pass
+        gpu = gpu_info()
+        found["gpu"] = gpu.name if gpu is not None else "none"
+        _versions = found
+    found = dict(_versions)
+    cuda = getattr(getattr(sys.modules.get("torch"), "version", None), "cuda", None)
+    if cuda:
+        found["cuda"] = str(cuda)
+    return found
 
 
 def _read_int(path: Path) -> int | None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .clock import clock
-from ..runtime import KIT_VERSION
+from ..runtime import KIT_VERSION, library_versions
 from . import storage
 
 __all__ = ["MANIFEST", "Manifest", "FileEntry", "hash_folder", "parse_manifest", "read_manifest", "write_manifest"]
@@ -41,6 +41,7 @@ class Manifest:
     kit_state: dict = field(default_factory=dict)  # the training clock (one file fewer to upload)
     format: int = _FORMAT
     shards: dict = field(default_factory=dict)  # DCP folder -> the files its .metadata needs (`shards.py`)
+    versions: dict = field(default_factory=library_versions)  # what wrote it: torch, transformers, CUDA, the GPU...
 
     @property
     def total_bytes(self) -> int:
@@ -54,6 +55,8 @@ class Manifest:
                "kit_state": dict(self.kit_state), "format": self.format}
         if self.shards:  # only sharded checkpoints carry it
             obj["shards"] = {folder: list(names) for folder, names in self.shards.items()}
+        if self.versions:
+            obj["versions"] = dict(self.versions)
         return obj
 
     @classmethod
@@ -63,13 +66,19 @@ class Manifest:
         return cls(step=int(obj["step"]), files=files, fingerprint=dict(obj.get("fingerprint") or {}),
                    created=float(obj.get("created", 0.0)), kit_version=str(obj.get("kit_version", "")),
                    kit_state=dict(obj.get("kit_state") or {}), format=int(obj.get("format", _FORMAT)),
-                   shards=_shards(obj.get("shards") or {}))
+                   shards=_shards(obj.get("shards") or {}), versions=_versions(obj.get("versions") or {}))
 
 
 def _shards(obj) -> dict[str, list[str]]:
     if not isinstance(obj, dict) or not all(isinstance(v, list) for v in obj.values()):
         raise TypeError(f"shards is not a mapping of folders to file lists: {obj!r:.80}")
     return {str(folder): [str(name) for name in names] for folder, names in obj.items()}
+
+
+def _versions(obj) -> dict[str, str]:
+    if not isinstance(obj, dict):
+        raise TypeError(f"versions is not a mapping: {obj!r:.80}")
+    return {str(name): str(value) for name, value in obj.items()}
 
 
 def _data_files(folder: Path) -> list[Path]:

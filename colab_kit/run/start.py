@@ -31,7 +31,8 @@ from ..drive.lease import Lease
 from ..drive.mount import resolve_root
 from ..drive.retention import Ladder
 from ..errors import DriveError
-from ..runtime import detect_runtime, in_colab
+from ..runtime import detect_runtime, in_colab, library_versions
+from .drift import describe_drift, drift
 from .find import RESUME_MODES, fetch_best_of, find_resume, kit_state, set_aside_newer
 from .fresh import archive_checkpoints
 from .finish import close_run, close_unheld_runs
@@ -295,8 +296,13 @@ def _claim(name: str, drive_dir: Path, heartbeat_s: float, takeover: bool, quiet
 
 
 def _take(run: Run, found: Found) -> None:
-    """Make `found` the checkpoint `run.train` resumes from."""
+    """Make `found` the checkpoint `run.train` resumes from (and say what versions changed since it was written)."""
     run.resume_from, run.resume_manifest = found.path, found.manifest
+    drifted = drift(found.manifest.versions, library_versions())
+    if drifted:
+        run.notices.add(describe_drift(found.step, found.manifest.versions, library_versions()))
+        run.journal.write("warn", what="version_drift", step=found.step,
+                          changed={name: list(pair) for name, pair in drifted.items()})
     run.resume_state = kit_state(found)
     run.clock = TrainClock(run.resume_state.get("train_seconds", 0.0))
     set_aside_newer(run.local_dir, found.step, run.journal)

@@ -16,9 +16,11 @@ from ..checkpoints.checkpoint import ARCHIVE
 from ..distributed.resume import agree_resume
 from ..errors import ColabKitError, ResumeMismatchError
 from ..memory.recipes import make_length_grouping_resumable
+from ..runtime import library_versions
 from .best import TRAINER_STATE, early_stopped, restore_best
 from .callbacks import bind
 from .changes import describe_changes
+from .drift import note_failure
 from .disk import explain_disk_full
 from .fresh import resume_argument, start_over
 from .stop import StopButton, keep_open_after_stop
@@ -99,6 +101,9 @@ def train(run, trainer, *, oom_recovery: bool = True, grow_back_after: int | Non
         raise
     except Exception as exc:
         explain_disk_full(run, exc, trainer.model)
+        resumed = run.resume_manifest
+        if resumed is not None and trainer.state.global_step <= resumed.step:  # it failed loading the checkpoint
+            note_failure(exc, resumed.step, resumed.versions, library_versions())
         run._close_gauges(error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}")
         if guard is not None and guard.after_step and is_oom_error(exc) and not isinstance(exc, OutOfMemoryError):
             run.journal.write("oom", step=trainer.state.global_step + 1, where="optimizer step",
