@@ -71,20 +71,21 @@ def heavy_reference(tmp_path_factory, shared_tmp):
 
 
 def disconnect_scenario(tmp_path, drive, reference, *, seed: int, kills_wanted: int = 8, delay: float = 9.0,
-                        extra=()) -> dict:
+                        extra=(), loop: str = "trainer", steps: int = 60, step_sleep: float = 0.3,
+                        after: str = "save") -> dict:
     """Kill the job and the emulator together `kills_wanted`+ times at random moments of an upload backlog,
     each restart on a new VM, then let it finish. Checked at every kill: after the first checkpoint is
     complete in the cloud the cloud always holds one that verifies; every `cloud` claim is true; each
     restart resumes from the newest checkpoint valid in the cloud. At the end: the weights of an
     uninterrupted run. Returns what was seen."""
     # 0.3 s a step: a job trains longer than the longest delay, so that most cycles end in a kill
-    job = harness.Job(tmp_path, steps=60, save_every=5, step_sleep=0.3, drive_root=drive.mountpoint,
+    job = harness.Job(tmp_path, loop=loop, steps=steps, save_every=5, step_sleep=step_sleep, drive_root=drive.mountpoint,
                       extra=[*HEAVY, "--keep", "2", *LOOKS, *extra])
     rng = random.Random(seed)
     reported: set[int] = set()
     complete_once, kills, expect_resume, claims = False, 0, None, 0
     for cycle in range(3 * kills_wanted):
-        killed, text, events = kill_cycle(job, drive, "save", rng.uniform(0.0, delay))
+        killed, text, events = kill_cycle(job, drive, after, rng.uniform(0.0, delay))
         resumed = harness.resumed_from(text)
         if expect_resume is not None and resumed is not None:
             assert resumed == expect_resume, f"cycle {cycle}: resumed from {resumed}, the cloud held {expect_resume}"
@@ -109,7 +110,7 @@ def disconnect_scenario(tmp_path, drive, reference, *, seed: int, kills_wanted: 
     assert harness.resumed_from(text) == expect_resume
     final = harness.load_weights(tmp_path / "final.safetensors")
     assert harness.max_abs_diff(reference, final) <= 1e-6
-    return {"kills": kills, "claims": claims, "faults": drive.faults_seen()}
+    return {"kills": kills, "claims": claims, "faults": drive.faults_seen(), "job": job}
 
 
 @pytest.mark.slow(110)

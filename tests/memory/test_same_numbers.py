@@ -117,3 +117,32 @@ def test_an_evaluation_micro_batch_without_labels_leaves_the_loss_finite_and_equ
         run.finish(timeout=30)
     assert [(b["from"], b["to"]) for b in guard.eval.backoffs] == [(24, 12), (12, 6)]
     assert math.isfinite(measured) and measured == pytest.approx(expected, rel=1e-6)
+
+
+@pytest.mark.parametrize("split", ["whole batch", "micro_batch=8", "out of memory above 8"])
+def test_with_a_lora_adapter_the_kits_step_gives_the_plain_trainers_numbers(drive, local, tmp_path_factory, split):
+    """Issue 39: a peft LoRA adapter on the causal LM (loss kwargs, clipping on): the same losses, gradient norms and
+    adapter weights, whole or split, as the plain Trainer's."""
+    peft = pytest.importorskip("peft", reason="peft is a test requirement (requirements-test.txt)")
+
+    def lora_trainer(out):
+        trainer = make_trainer(out, "causal LM loss kwargs", 1.0)
+        config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["c_attn"], fan_in_fan_out=True,
+                                 task_type="CAUSAL_LM")
+        torch.manual_seed(0)
+        return Trainer(model=peft.get_peft_model(trainer.model, config), args=trainer.args,
+                       train_dataset=trainer.train_dataset, data_collator=trainer.data_collator)
+
+    plain = lora_trainer(tmp_path_factory.mktemp("plain-lora"))
+    plain.train()
+    run = ck.start_run("same-lora", drive=drive, local_dir=local, save_every=None, quiet=True, gauges=False)
+    trainer = lora_trainer(run.local_dir)
+    if split == "out of memory above 8":
+        inject(trainer.model, "forward")
+    run.train(trainer, micro_batch=8 if split == "micro_batch=8" else None)
+    assert logged(trainer, "loss") == pytest.approx(logged(plain, "loss"), rel=1e-6, abs=1e-6)
+    assert logged(trainer, "grad_norm") == pytest.approx(logged(plain, "grad_norm"), rel=1e-6, abs=1e-6)
+    assert max_diff(state(plain), state(trainer)) <= 1e-5
+    assert any("lora_" in name for name in state(trainer))
+    backoffs = [(b["from"], b["to"]) for b in run.micro_batching.train.backoffs]
+    assert backoffs == ([(32, 16), (16, 8)] if split == "out of memory above 8" else [])

@@ -1,9 +1,11 @@
 """A tiny training job for end-to-end tests: run it, SIGKILL it anywhere, run it again.
 
-    python tiny_job.py --drive D --local L --out final.safetensors [--loop trainer|plain]
+    python tiny_job.py --drive D --local L --out final.safetensors [--loop trainer|plain|lora|sft]
                        [--kill PHASE:K] [--step-sleep S] [--vocab N] [--keep K] [--save-every N|"2s"]
                        [--prune-after written] [--hostname NAME] [--heartbeat S] [--best min|max]
 
+--loop lora trains a LoRA adapter (peft) on a tiny Llama-shaped causal LM, --loop sft the same with TRL's
+SFTTrainer (its checkpoints hold the adapter only, whatever --vocab makes the base weigh).
 --vocab makes checkpoints heavier (unused embedding rows); --prune-after written runs the pruning
 rule before 0.2; --hostname makes the job look as if it ran on another VM; --best adds
 load_best_model_at_end and early stopping; --confirm sets start_run's confirm; --settle and
@@ -146,13 +148,47 @@ def run_trainer(args, killer: Killer):
     run = start(args)
     options = best_model_options(args.best) if args.best else {}
     callbacks = [Hooks(), *options.pop("callbacks", [])]
-    trainer = tiny_trainer(run, max_steps=args.steps, dropout=0.1, callbacks=callbacks, vocab_size=args.vocab,
-                           **options)
+    if args.loop in ("lora", "sft"):
+        trainer = adapter_trainer(run, args, callbacks)
+    else:
+        trainer = tiny_trainer(run, max_steps=args.steps, dropout=0.1, callbacks=callbacks, vocab_size=args.vocab,
+                               **options)
     output = run.train(trainer)
     if args.best:
         print(f"BEST step={trainer.state.best_global_step} metric={trainer.state.best_metric!r} "
               f"stopped_at={trainer.state.global_step}", flush=True)
     return trainer.model, output.global_step
+
+
+def adapter_trainer(run, args, callbacks):
+    """A LoRA adapter (r=4 on q_proj and v_proj, dropout on) of a tiny Llama-shaped causal LM built from a config,
+    trained by the HF Trainer (--loop lora) or by TRL's SFTTrainer on the same token blocks (--loop sft)."""
+    import datasets
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(LlamaConfig(vocab_size=args.vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64))
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, target_modules=["q_proj", "v_proj"],
+                                            task_type="CAUSAL_LM"))
+    ids = torch.randint(4, args.vocab, (128, 16), generator=torch.Generator().manual_seed(0)).tolist()
+    data = datasets.Dataset.from_dict({"input_ids": ids, "labels": ids})
+    settings = dict(max_steps=args.steps, per_device_train_batch_size=8, learning_rate=1e-2, report_to=[], use_cpu=True,
+                    disable_tqdm=True, logging_steps=10, seed=0, save_strategy="no")
+    if args.loop == "lora":
+        return Trainer(model=model, args=TrainingArguments(str(run.local_dir), **settings), train_dataset=data,
+                       callbacks=callbacks)
+    from trl import SFTConfig, SFTTrainer
+    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, models
+
+    vocab = {f"t{i}": i for i in range(args.vocab)}  # a tokenizer the data never needs: SFTTrainer asks for one
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0")),
+                                        pad_token="t1", eos_token="t2", bos_token="t3")
+    sft = SFTConfig(str(run.local_dir), max_length=16, dataset_kwargs={"skip_prepare_dataset": True}, **settings)
+    return SFTTrainer(model=model, args=sft, train_dataset=data, processing_class=tokenizer, callbacks=callbacks)
 
 
 def best_model_options(direction: str) -> dict:
@@ -219,7 +255,7 @@ def main() -> None:
     parser.add_argument("--local", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--name", default="job")
-    parser.add_argument("--loop", choices=["trainer", "plain"], default="trainer")
+    parser.add_argument("--loop", choices=["trainer", "plain", "lora", "sft"], default="trainer")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--save-every", default="10", help="steps, or a duration such as 2s")
     parser.add_argument("--keep", type=int, default=3)
@@ -255,7 +291,7 @@ def main() -> None:
         looks.WAITS, search.RETRY_WAITS = (step, 2 * step, 3 * step), (step, 2 * step, 4 * step, 4 * step)
     killer = Killer(args.kill)
     install_kill_hooks(killer, Path(args.drive).absolute())
-    model, step = (run_trainer if args.loop == "trainer" else run_plain)(args, killer)
+    model, step = (run_plain if args.loop == "plain" else run_trainer)(args, killer)
     from safetensors.torch import save_model
 
     save_model(model, args.out)

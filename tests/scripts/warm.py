@@ -13,6 +13,7 @@ them (the launchers themselves are tested with torchrun and notebook_launcher in
 from __future__ import annotations
 
 import atexit
+import importlib.util
 import multiprocessing
 import os
 import subprocess
@@ -40,6 +41,8 @@ def preload() -> None:
         BertConfig,
         BertForSequenceClassification,
         EarlyStoppingCallback,
+        LlamaConfig,
+        LlamaForCausalLM,
         Trainer,
         TrainerCallback,
         TrainingArguments,
@@ -47,6 +50,12 @@ def preload() -> None:
 
     import colab_kit  # noqa: F401
     from colab_kit.tasks import demo  # noqa: F401
+
+    # The adapter jobs' (tiny_job --loop lora|sft): test requirements, imported where installed.
+    if importlib.util.find_spec("peft") is not None:
+        import peft  # noqa: F401
+    if importlib.util.find_spec("trl") is not None:
+        from trl import SFTConfig, SFTTrainer  # noqa: F401
 
 
 def _ctx():
