@@ -1,9 +1,11 @@
 """One writer per run folder."""
 
+import contextlib
 import json
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict
 
@@ -20,6 +22,25 @@ def _foreign_lease(drive, **overrides) -> LeaseInfo:
         setattr(info, key, value)
     (drive / LEASE).write_text(json.dumps(asdict(info)))
     return info
+
+
+@contextlib.contextmanager
+def beating(drive, info: LeaseInfo, every: float, skew: float = 0.0):
+    """The other VM, alive: its heartbeat rewritten every `every` s, by its clock (`skew` s off this one's)."""
+    stop = threading.Event()
+
+    def beat():
+        while not stop.wait(every):
+            info.heartbeat = time.time() + skew
+            (drive / LEASE).write_text(json.dumps(asdict(info)))
+
+    thread = threading.Thread(target=beat)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
 
 
 def test_a_live_owner_on_this_host_is_refused_at_once_with_the_way_out(drive):
@@ -52,26 +73,12 @@ def test_a_dead_vm_whose_lease_still_looks_fresh_is_taken_over_after_watching_it
 
 
 def test_a_live_owner_on_another_host_is_refused_when_its_heartbeat_advances(drive):
-    import threading
-
     info = _foreign_lease(drive, heartbeat_s=1.0)
-    stop = threading.Event()
-
-    def beat():  # the other VM, still alive
-        while not stop.wait(0.3):
-            info.heartbeat = time.time()
-            (drive / LEASE).write_text(json.dumps(asdict(info)))
-
-    thread = threading.Thread(target=beat)
-    thread.start()
-    try:
+    with beating(drive, info, every=0.3):
         with pytest.raises(LeaseHeldError, match=r"host other-vm.*advanced while this runtime watched.*"
                                                  r"takeover=True") as refused:
             Lease(drive).acquire(run_name="rna")
         assert "last heartbeat" not in str(refused.value)  # another VM's clock: its age would say nothing true
-    finally:
-        stop.set()
-        thread.join()
     assert read_lease(drive).session == "theirs"
 
 
@@ -102,25 +109,10 @@ def test_a_live_owner_whose_clock_is_minutes_behind_is_refused_not_taken_in_two_
     """Issue 38, finding 4: a heartbeat "10 minutes old" by this VM's clock, from a VM whose clock is 10
     minutes behind (or whose lease.json reached Drive late), took the quick path: one read after 2 s, and a
     heartbeat every 3 s was not seen to advance. Only a heartbeat seen to change counts."""
-    import threading
-
-    skew = -600.0
-    info = _foreign_lease(drive, heartbeat=time.time() + skew, heartbeat_s=3.0)
-    stop = threading.Event()
-
-    def beat():  # the other VM, alive, beating every 3 s by its own (slow) clock
-        while not stop.wait(3.0):
-            info.heartbeat = time.time() + skew
-            (drive / LEASE).write_text(json.dumps(asdict(info)))
-
-    thread = threading.Thread(target=beat)
-    thread.start()
-    try:
+    info = _foreign_lease(drive, heartbeat=time.time() - 600.0, heartbeat_s=3.0)
+    with beating(drive, info, every=3.0, skew=-600.0):  # alive, by a clock 10 minutes behind
         with pytest.raises(LeaseHeldError, match="advanced while this runtime watched it"):
             Lease(drive).acquire(run_name="rna")
-    finally:
-        stop.set()
-        thread.join()
     assert read_lease(drive).session == "theirs"
 
 
