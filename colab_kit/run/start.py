@@ -298,9 +298,10 @@ def _claim(name: str, drive_dir: Path, heartbeat_s: float, takeover: bool, quiet
 def _take(run: Run, found: Found) -> None:
     """Make `found` the checkpoint `run.train` resumes from (and say what versions changed since it was written)."""
     run.resume_from, run.resume_manifest = found.path, found.manifest
-    drifted = drift(found.manifest.versions, library_versions())
+    then, now = found.manifest.versions, library_versions()
+    drifted = drift(then, now)
     if drifted:
-        run.notices.add(describe_drift(found.step, found.manifest.versions, library_versions()))
+        run.notices.add(describe_drift(found.step, then, now))
         run.journal.write("warn", what="version_drift", step=found.step,
                           changed={name: list(pair) for name, pair in drifted.items()})
     run.resume_state = kit_state(found)
