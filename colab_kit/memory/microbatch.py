@@ -157,9 +157,8 @@ class TrainerMicroBatching:
         which is None for a model built from a config, and then says False for GPT-2.
         """
         model = trainer.accelerator.unwrap_model(trainer.model)
-        get_base = getattr(model, "get_base_model", None)  # a peft adapter: the loss is its base model's
-        if callable(get_base):
-            model = get_base()
+        if callable(getattr(model, "get_base_model", None)):  # a peft adapter: the loss is its base model's
+            model = model.get_base_model()
         if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
             return False
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
