@@ -32,11 +32,11 @@ from .run.start import start_run
 from .run.store import CheckpointStore
 from .runtime import KIT_VERSION as __version__  # noqa: F401
 from .runtime import detect_runtime, in_colab, in_notebook
-from .tasks import rna, text, versions
+from .tasks import lora, rna, text, versions
 
 # Module paths that notebooks saved before the kit had subpackages import (`from colab_kit.versions
 # import ...` in the RNA notebook's install cell, `from colab_kit.rna import ...`): kept working.
-for _name, _module in {"rna": rna, "text": text, "versions": versions}.items():
+for _name, _module in {"lora": lora, "rna": rna, "text": text, "versions": versions}.items():
     _sys.modules.setdefault(f"{__name__}.{_name}", _module)
 del _name, _module
 

@@ -22,8 +22,19 @@ COLAB = colab_packages.read_constraints()
 
 
 def notebook_extras() -> list[str]:
-    """What the notebooks' install cells add in Colab beyond the kit (the RNA notebook's multimolecule)."""
-    return versions.multimolecule_install(COLAB.version)
+    """What the notebooks' install cells add in Colab beyond the kit: the RNA notebook's multimolecule, and
+    the LoRA notebook's bitsandbytes (on a GPU runtime, for 4-bit weights)."""
+    return [*versions.multimolecule_install(COLAB.version), *lora_install_cell_adds()]
+
+
+def lora_install_cell_adds() -> list[str]:
+    """The packages the LoRA notebook's install cell names besides the kit (read from the cell itself)."""
+    import json
+    import re
+
+    cells = json.loads((ROOT / "notebooks" / "lora_finetune.ipynb").read_text())["cells"]
+    install = next("".join(c["source"]) for c in cells if c["cell_type"] == "code" and "pip" in "".join(c["source"]))
+    return re.findall(r'wanted\.append\("([^"]+)"\)', install)
 
 
 @pytest.mark.skipif(not COLAB_LIST.is_file(), reason=f"Colab's published list is not at {COLAB_LIST}")
@@ -62,8 +73,8 @@ def test_a_change_to_colabs_cuda_stack_or_its_own_packages_counts_as_a_change():
     assert verdict.added == ["jedi 0.20.1", "nvidia-cublas 13.1.0.3"] and not verdict.ok
 
 
-def test_the_notebooks_install_cells_add_multimolecule_in_colab():
-    assert notebook_extras() == ["multimolecule"]  # Colab's transformers 5.15 is new enough for it
+def test_the_notebooks_install_cells_add_multimolecule_and_bitsandbytes_in_colab():
+    assert notebook_extras() == ["multimolecule", "bitsandbytes"]  # Colab's transformers 5.15 is new enough
 
 
 @pytest.mark.slow(60)
@@ -74,6 +85,7 @@ def test_installing_the_kit_and_the_notebooks_additions_into_colab_changes_nothi
     assert verdict.kit.startswith("colab-kit ")
     assert {"transformers 5.15.0", "torch 2.11.0+cu128", "ipywidgets 7.7.1", "numpy 2.1.3"} <= set(verdict.unchanged)
     assert any(item.startswith("multimolecule ") for item in verdict.added)
+    assert any(item.startswith("bitsandbytes ") for item in verdict.added)
 
 
 @pytest.mark.slow(30)

@@ -34,9 +34,13 @@ _STAGING = f".{FINAL}.new-"  # a new export, written beside final/ until it veri
 __all__ = ["save_final"]
 
 
-def save_final(run, model, tokenizer=None, metrics: dict | None = None, retries: int = 3) -> Path:
+def save_final(run, model, tokenizer=None, metrics: dict | None = None, retries: int = 3, *,
+               merged: bool = False) -> Path:
     """The body of `Run.save_final` (see its docstring)."""
     run._require_own_process("save the final model")
+    if merged and not hasattr(model, "merge_and_unload"):
+        raise ValueError("merged=True merges a peft adapter into its base model; this model has no adapter: "
+                         "call run.save_final(model, ...) without merged")
     if not run.ranks.writer:  # rank 0 exports the (identical) model
         return run.drive_dir / FINAL
     local = run.local_dir / FINAL
@@ -44,6 +48,8 @@ def save_final(run, model, tokenizer=None, metrics: dict | None = None, retries:
         shutil.rmtree(local)
     with no_shard_bars():
         model.save_pretrained(local, safe_serialization=True)
+    if merged:
+        metrics = _merge_into(run, model, local, metrics)
     if tokenizer is not None:
         tokenizer.save_pretrained(local)
     metrics_json = (json.dumps(metrics, indent=1, default=float) + "\n").encode() if metrics is not None else None
@@ -87,6 +93,23 @@ def save_final(run, model, tokenizer=None, metrics: dict | None = None, retries:
           + (f"; the export it replaces is kept in {archived} (delete it at drive.google.com if it is not needed)"
              if archived else ""))
     return target
+
+
+def _merge_into(run, model, local: Path, metrics: dict | None) -> dict | None:
+    """The merged model in `local/merged/`, or the adapter alone and the reason said (never a lost export).
+    Returns the metrics with what happened added (when there are metrics)."""
+    from ..errors import ColabKitError
+    from .merge import MERGED, save_merged
+
+    try:
+        size = save_merged(model, local / MERGED, local)
+    except ColabKitError as exc:
+        shutil.rmtree(local / MERGED, ignore_errors=True)
+        run.journal.write("warn", what="merge_skipped", reason=str(exc))
+        print(f"colab_kit: {exc}", flush=True)
+        return metrics if metrics is None else {**metrics, "merged": False}
+    print(f"colab_kit: the adapter merged into the base model: {format_bytes(size)} in {MERGED}/", flush=True)
+    return metrics if metrics is None else {**metrics, "merged": True}
 
 
 def _holds(target: Path, manifest: Manifest) -> bool:

@@ -159,9 +159,12 @@ class Run:
 
         check_compatible(self, model, args, total_steps)
 
-    def save_final(self, model, tokenizer=None, metrics: dict | None = None, retries: int = 3) -> Path:
+    def save_final(self, model, tokenizer=None, metrics: dict | None = None, retries: int = 3, *,
+                   merged: bool = False) -> Path:
         """Export the trained model to `<drive_dir>/final/`: safetensors, config, tokenizer, metrics
-        (the metrics also go to `<drive_dir>/metrics.json`).
+        (the metrics also go to `<drive_dir>/metrics.json`). A peft model exports its adapter; with
+        `merged=True` also the base with the adapter merged in, in `final/merged/`, once host RAM is
+        seen to hold it (otherwise the adapter alone, and the reason said).
 
         Written to local disk first, then copied to the persistent folder with every file read
         back and verified, MANIFEST.json last. Works after `finish()` too.
@@ -174,7 +177,7 @@ class Run:
         """
         from .final import save_final
 
-        return save_final(self, model, tokenizer, metrics, retries)
+        return save_final(self, model, tokenizer, metrics, retries, merged=merged)
 
     def checkpoint_store(self, async_save: bool = True):
         """A `CheckpointStore` for plain PyTorch loops that shares this run's folder and uploader.

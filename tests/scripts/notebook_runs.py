@@ -42,10 +42,10 @@ def events(run_dir):
 
 
 def kill_after_first_durable_checkpoint_and_rerun(notebook, workdir, run_dir, *params, env=None,
-                                                  new_vm=False) -> tuple[int, list]:
+                                                  new_vm=False) -> tuple[int, list, str]:
     """Run the notebook, kill its kernel once a checkpoint is durable, run it again (with `new_vm`, after
     deleting the local folder, as a reconnect to a fresh VM finds it); returns (the first durable step,
-    the events of the second run)."""
+    the events of the second run, what the second run printed to the terminal)."""
     proc = run_notebook(notebook, workdir, *params, popen=True, env=env)
     deadline = time.monotonic() + 600
     durable = None
@@ -65,4 +65,4 @@ def kill_after_first_durable_checkpoint_and_rerun(notebook, workdir, run_dir, *p
     log = events(run_dir)
     starts = [i for i, e in enumerate(log) if e["event"] == "start"]
     assert len(starts) == 2
-    return durable, log[starts[1]:]
+    return durable, log[starts[1]:], again.stdout

@@ -59,7 +59,7 @@ def rehearse(notebook: Path, workdir: Path, run_name: str, env: dict, *params) -
     cloud, run it again on a wiped local folder (a new VM): it must resume there and finish. Returns the
     run folder."""
     run_dir = workdir / "drive" / run_name
-    durable, second = kill_after_first_durable_checkpoint_and_rerun(
+    durable, second, _ = kill_after_first_durable_checkpoint_and_rerun(
         notebook, workdir, run_dir, ("PRESET", "full"), ("ALLOW_CPU", "True"), ("SAVE_EVERY", "5"), *params,
         env=env, new_vm=True)
     resumed = [e for e in second if e["event"] == "resume"]

@@ -15,6 +15,7 @@ COMMON = {"RUN_NAME", "PRESET", "MAX_STEPS", "DRIVE_DIR", "BATCH_SIZE", "EPOCHS"
 REQUIRED = {
     "rna_bert_classification.ipynb": COMMON | {"MODEL", "TRAIN_DATA", "TEST_DATA", "MAX_LENGTH", "KMER"},
     "distilgpt2_finetune.ipynb": COMMON | {"MODEL_NAME", "BLOCK_SIZE", "FREEZE_LAYERS"},
+    "lora_finetune.ipynb": COMMON | {"MODEL_NAME", "BLOCK_SIZE", "QUANTIZE", "LORA_RANK", "MERGE"},
 }
 
 
@@ -104,18 +105,20 @@ def test_the_full_preset_without_a_gpu_stops_at_once_unless_allowed(path, tmp_pa
     assert "needs a GPU" not in allowed.stdout + allowed.stderr and (tmp_path / "drive").exists()
 
 
-def run_to_the_end(notebook, workdir, run_name) -> tuple[Path, dict]:
-    """Run the notebook once; it must succeed and leave a verified `final/`. Returns (run folder, metrics)."""
+def killed_then_run_to_the_end(notebook, workdir, run_name, *params) -> tuple[Path, dict]:
+    """Run the notebook, kill its kernel once a checkpoint is in the cloud, run it again: it must resume
+    from there, finish and leave a verified `final/`. Returns (run folder, metrics)."""
     from colab_kit.checkpoints.validity import verify_folder
 
-    proc = run_notebook(notebook, workdir)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run_dir = workdir / "drive" / run_name
+    durable, second, said = kill_after_first_durable_checkpoint_and_rerun(notebook, workdir, run_dir, *params)
+    resumed = [e for e in second if e["event"] == "resume"]
+    assert resumed and resumed[0]["step"] >= durable
     assert verify_folder(run_dir / "final") is None
     summary = json.loads((run_dir / "metrics.json").read_text())
     # The terminal ends with the result: the headline of metrics.json, the run folder, the newest checkpoint.
     newest = max(int(p.name.split("-")[1]) for p in (run_dir / "checkpoints").glob("checkpoint-*"))
-    tail = proc.stdout[proc.stdout.index("done in "):]
+    tail = said[said.index("done in "):]
     assert f"run folder: {run_dir} ({summary['steps']} steps)" in tail, tail
     assert f"newest checkpoint: checkpoint-{newest}; exported model: {run_dir / 'final'}" in tail
     if "perplexity_after" in summary:
@@ -126,24 +129,13 @@ def run_to_the_end(notebook, workdir, run_name) -> tuple[Path, dict]:
     return run_dir, summary
 
 
-@pytest.mark.slow(50)
-def test_rna_quick_preset_runs_headless_and_learns(tmp_path):
-    run_dir, summary = run_to_the_end(RNA, tmp_path, "rna-bert")
+@pytest.mark.slow(70)
+def test_rna_quick_preset_killed_after_a_durable_checkpoint_resumes_and_learns(tmp_path):
+    run_dir, summary = killed_then_run_to_the_end(RNA, tmp_path, "rna-bert")
     assert summary["metrics"]["test"]["accuracy"] >= 0.9
     assert {"macro_f1", "mcc", "confusion", "per_class"} <= set(summary["metrics"]["test (de-duplicated)"])
     assert {"model.safetensors", "config.json", "tokenizer.json", "metrics.json"} <= {p.name for p in (run_dir / "final").iterdir()}
     assert [e["event"] for e in events(run_dir)][0] == "start" and any(e["event"] == "finish" for e in events(run_dir))
-
-
-@pytest.mark.slow
-def test_rna_notebook_killed_after_a_durable_checkpoint_resumes_and_finishes(tmp_path):
-    # 60 steps (a checkpoint every 40): learning to the end is test_rna_quick_preset_runs_headless_and_learns
-    run_dir = tmp_path / "drive" / "rna-bert"
-    durable, second = kill_after_first_durable_checkpoint_and_rerun(RNA, tmp_path, run_dir, ("MAX_STEPS", "60"))
-    resumed = [e for e in second if e["event"] == "resume"]
-    assert resumed and resumed[0]["step"] >= durable
-    summary = json.loads((run_dir / "metrics.json").read_text())
-    assert summary["steps"] == 60 and 0 <= summary["metrics"]["test"]["accuracy"] <= 1
 
 
 @pytest.mark.slow
@@ -182,19 +174,46 @@ def test_rna_notebook_stops_on_a_bad_file_with_its_message(tmp_path):
 GPT2 = ROOT / "notebooks" / "distilgpt2_finetune.ipynb"
 
 
-@pytest.mark.slow
-def test_gpt2_quick_preset_runs_headless_and_lowers_perplexity(tmp_path):
-    _, metrics = run_to_the_end(GPT2, tmp_path, "distilgpt2-wikitext")
+@pytest.mark.slow(60)
+def test_gpt2_quick_preset_killed_after_a_durable_checkpoint_resumes_and_lowers_perplexity(tmp_path):
+    _, metrics = killed_then_run_to_the_end(GPT2, tmp_path, "distilgpt2-wikitext")
     assert metrics["perplexity_after"] < metrics["perplexity_before"] / 5
     said = printed(tmp_path)
     assert "layer 'lm_head2' is Linear(50257 -> 50257)" in said  # the seed's model, flagged
     assert "preflight: no problems found" in said  # this notebook's configuration
 
 
-@pytest.mark.slow
-def test_gpt2_notebook_killed_after_a_durable_checkpoint_resumes_and_finishes(tmp_path):
-    run_dir = tmp_path / "drive" / "distilgpt2-wikitext"
-    durable, second = kill_after_first_durable_checkpoint_and_rerun(GPT2, tmp_path, run_dir, ("MAX_STEPS", "40"))
-    resumed = [e for e in second if e["event"] == "resume"]
-    assert resumed and resumed[0]["step"] >= durable
-    assert json.loads((run_dir / "metrics.json").read_text())["steps"] == 40
+LORA = ROOT / "notebooks" / "lora_finetune.ipynb"
+
+
+@pytest.mark.slow(60)
+def test_lora_quick_preset_killed_after_a_durable_checkpoint_resumes_learns_and_exports_adapter_and_merged(tmp_path):
+    import torch
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    run_dir, metrics = killed_then_run_to_the_end(LORA, tmp_path, "lora-instruct", ("MERGE", "True"))
+    assert metrics["steps"] == 33 and metrics["merged"] is True and metrics["four_bit"] is False
+    assert metrics["perplexity_after"] < metrics["perplexity_before"] / 20
+    said = printed(tmp_path)
+    assert "LoRA rank 8 on every linear layer" in said and "trainable params: 16,384" in said
+
+    # Checkpoints hold the adapter, not the model: its weights are the trainable parameters only.
+    final, newest = run_dir / "final", run_dir / "checkpoints" / "checkpoint-33"
+    adapter = load_file(newest / "adapter_model.safetensors")
+    assert sum(t.numel() for t in adapter.values()) == 16_384 and all("lora_" in name for name in adapter)
+    assert not (newest / "model.safetensors").exists()
+    merged_file = final / "merged" / "model.safetensors"
+    assert (newest / "adapter_model.safetensors").stat().st_size * 5 < merged_file.stat().st_size  # 16 k of 147 k
+
+    # final/ holds the adapter (loaded here onto the quick preset's base, built again from its seed), and
+    # merged/ the same model with the adapter folded in.
+    from colab_kit import lora
+
+    base = lora.build_model(lora.resolve_settings("quick"), AutoTokenizer.from_pretrained(final), seed=42).unload()
+    with_adapter = PeftModel.from_pretrained(base, final).eval()
+    merged = AutoModelForCausalLM.from_pretrained(final / "merged").eval()
+    ids = torch.randint(0, merged.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.allclose(with_adapter(input_ids=ids).logits, merged(input_ids=ids).logits, atol=1e-4)

@@ -75,3 +75,48 @@ def test_the_crashed_seed_notebook_is_flagged_by_preflight(tmp_path):
     assert not report.ok
     said = " ".join(str(f) for f in report.findings)
     assert "lm_head2" in said
+
+
+A100 = GpuInfo("NVIDIA A100-SXM4-40GB", 40 << 30, (8, 0))
+
+
+def test_lora_presets_choose_4_bit_weights_only_where_bitsandbytes_runs_on_a_gpu():
+    from colab_kit import lora
+
+    quick = lora.resolve_settings("quick", gpu=None, has_bitsandbytes=False)
+    assert (quick.rank, quick.block_size, quick.four_bit, quick.save_every) == (8, 64, False, 20)
+    assert "LoRA rank 8 on every linear layer of a tiny Llama-shaped model" in quick.describe()
+    qlora = lora.resolve_settings("full", gpu=T4, has_bitsandbytes=True)
+    assert qlora.four_bit and not qlora.bf16 and "in 4 bits (QLoRA: NF4, double quantization)" in qlora.describe()
+    assert not lora.resolve_settings("full", gpu=T4, has_bitsandbytes=False).four_bit  # 16-bit LoRA instead
+    assert not lora.resolve_settings("full", gpu=A100, has_bitsandbytes=True, quantize="none").four_bit
+    assert lora.resolve_settings("full", gpu=A100, has_bitsandbytes=True).bf16
+    with pytest.raises(ColabKitError, match='PRESET = "full" needs a GPU'):
+        lora.resolve_settings("full", gpu=None, has_bitsandbytes=True)
+    mine = lora.resolve_settings("quick", rank=32, block_size=128, epochs=1, learning_rate=1e-3, save_every="5min")
+    assert (mine.rank, mine.block_size, mine.epochs, mine.learning_rate, mine.save_every) == (32, 128, 1, 1e-3, "5min")
+
+
+def test_lora_4_bit_config_is_nf4_with_double_quantization_in_the_gpus_compute_dtype():
+    import torch
+
+    from colab_kit import lora
+
+    config = lora.quantization_config(lora.resolve_settings("full", gpu=T4, has_bitsandbytes=True))
+    assert config.load_in_4bit and config.bnb_4bit_quant_type == "nf4" and config.bnb_4bit_use_double_quant
+    assert config.bnb_4bit_compute_dtype == torch.float16  # a T4 has no bf16
+    assert lora.quantization_config(lora.resolve_settings("quick")) is None
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"rank": 0}, r"LORA_RANK=0: give the adapter's rank, a whole number >= 1 \(8 to 64 is usual\), or None \(8\)"),
+    ({"block_size": 4}, r"BLOCK_SIZE=4: give the tokens per training example, a whole number >= 8, or None \(64\)"),
+    ({"epochs": 1.5}, r"EPOCHS=1.5: give a whole number of epochs >= 1, or None \(3\)"),
+    ({"quantize": "8bit"}, "QUANTIZE='8bit': use 'auto', '4bit', 'none'"),
+    ({"quantize": "4bit"}, "QUANTIZE='4bit' needs a GPU and bitsandbytes .*QUANTIZE='auto' falls back to 16-bit LoRA"),
+])
+def test_lora_parameters_that_cannot_work_say_what_to_use(kwargs, message):
+    from colab_kit import lora
+
+    with pytest.raises(ValueError, match=message):
+        lora.resolve_settings("quick", gpu=None, has_bitsandbytes=False, **kwargs)

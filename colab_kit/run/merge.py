@@ -1,0 +1,118 @@
+"""The merged model of a LoRA run: the adapter folded into a 16-bit (or the base's own precision) copy of
+the base model, written beside the adapter in the export (`run.save_final(..., merged=True)`).
+
+Merging is where LoRA runs in Colab lose the kernel: the merged copy lives in host RAM (12.7 GB on the
+free tier), and `merge_and_unload()` on a 4-bit model dequantizes, merges and quantizes again (rounding
+the result). So the merge here asks first: it needs the base's parameters at the export precision, plus a
+margin, *available* in host RAM, and says the numbers and what to do instead when they are not there. A
+quantized or GPU-resident base is loaded again on the CPU at the export precision, the adapter the export
+just wrote loaded onto it, then merged; a base already in host RAM is copied and merged (the model
+being trained is never changed).
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+from .._units import format_bytes
+from ..errors import ColabKitError
+
+__all__ = ["merged_bytes", "check_host_ram", "save_merged", "MERGED"]
+
+MERGED = "merged"  # the merged model's folder inside final/
+_MARGIN = 1.2  # the copy, then safetensors' write buffers and the allocator's slack
+_SPARE = 512 * 2**20  # what the kernel and Python need besides
+
+
+def _elements(param) -> int:
+    """The number of weights a parameter stands for: a 4-bit bitsandbytes parameter packs two per byte, and
+    its quantization state knows the shape it stands for."""
+    state = getattr(param, "quant_state", None)
+    shape = getattr(state, "shape", None)
+    if shape is not None:
+        n = 1
+        for size in shape:
+            n *= int(size)
+        return n
+    return param.numel()
+
+
+def export_dtype(model):
+    """The precision the merged weights are written in: the 4-bit quantization's compute dtype, else the
+    base's own floating dtype."""
+    import torch
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    quantization = getattr(getattr(base, "config", None), "quantization_config", None)
+    if quantization is not None:
+        wanted = (quantization.get("bnb_4bit_compute_dtype") if isinstance(quantization, dict)
+                  else getattr(quantization, "bnb_4bit_compute_dtype", None))
+        if isinstance(wanted, str):
+            wanted = getattr(torch, wanted.replace("torch.", ""), None)
+        return wanted or torch.float16
+    return next((p.dtype for p in base.parameters() if p.is_floating_point()), torch.float32)
+
+
+def merged_bytes(model) -> int:
+    """The merged model's size: the base's weights (the adapter's excluded) at the export precision."""
+    import torch
+
+    item = torch.empty((), dtype=export_dtype(model)).element_size()
+    own = [p for name, p in model.named_parameters() if "lora_" not in name and ".modules_to_save." not in name]
+    return sum(_elements(p) for p in own) * item
+
+
+def check_host_ram(model, available: int | None = None) -> int:
+    """Stop before a merge that would exhaust host RAM. Returns the merged model's bytes.
+
+    Raises:
+        ColabKitError: the bytes it needs and the bytes available, and what to do instead.
+    """
+    import psutil
+
+    need = merged_bytes(model)
+    available = psutil.virtual_memory().available if available is None else available
+    wanted = int(need * _MARGIN) + _SPARE
+    if available < wanted:
+        raise ColabKitError(
+            f"merging the adapter into the base model needs about {format_bytes(wanted)} of host RAM (the merged "
+            f"model is {format_bytes(need)}), and {format_bytes(available)} is available, so it was not merged. "
+            f"The adapter alone is exported (it loads onto the base model with peft's PeftModel.from_pretrained). "
+            f"Merge later on a runtime with more RAM (Runtime -> Change runtime type -> High-RAM), or free RAM "
+            f"first: del trainer, model; ck.free_memory()")
+    return need
+
+
+def save_merged(model, folder: Path, adapter_dir: Path) -> int:
+    """Write the merged model to `folder` (safetensors, config). `adapter_dir`: where the export wrote
+    the adapter (loaded onto a base read again from its own files when the trained base cannot be copied).
+    Returns the merged model's bytes.
+
+    Raises:
+        ColabKitError: not enough host RAM (nothing merged), or a base that cannot be read again.
+    """
+    need = check_host_ram(model)
+    merged = _merged_copy(model, adapter_dir)
+    merged.save_pretrained(folder, safe_serialization=True)
+    del merged
+    return need
+
+
+def _merged_copy(model, adapter_dir: Path):
+    """The merged model on the CPU, leaving `model` as it was."""
+    base = model.get_base_model()
+    quantized = any(getattr(p, "quant_state", None) is not None for p in base.parameters())
+    on_gpu = any(p.device.type != "cpu" for p in base.parameters())
+    if not quantized and not on_gpu:
+        return copy.deepcopy(model).merge_and_unload()
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    source = next(iter(model.peft_config.values())).base_model_name_or_path
+    if not source:
+        raise ColabKitError("the base model's name is not recorded in the adapter's config, so it cannot be "
+                            "loaded again at 16 bits for the merge; the adapter alone is exported")
+    fresh = AutoModelForCausalLM.from_pretrained(source, dtype=export_dtype(model), device_map={"": "cpu"},
+                                                 low_cpu_mem_usage=True)
+    return PeftModel.from_pretrained(fresh, str(adapter_dir)).merge_and_unload()
