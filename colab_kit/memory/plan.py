@@ -124,7 +124,8 @@ class MemoryPlan:
 
 
 def plan_memory(model_or_trainer, training_args=None, *, optimizer=None, batch=None, gpu="auto", lengths=None,
-                margin: float = 0.10, freeze: int | None = None, verbose: bool = True) -> MemoryPlan:
+                margin: float = 0.10, freeze: int | None = None, four_bit: bool = False,
+                verbose: bool = True) -> MemoryPlan:
     """A memory plan for one training step of this model on a GPU, made on fake tensors (nothing is
     allocated, nothing downloaded; seconds on a CPU).
 
@@ -140,6 +141,10 @@ def plan_memory(model_or_trainer, training_args=None, *, optimizer=None, batch=N
             is made for the longest. Default: the Trainer's training data, else the example batch.
         margin: the share of the GPU's capacity kept free (fragmentation, other tensors).
         freeze: also plan with the lowest `freeze` blocks frozen (`ck.recipes.freeze_layers`).
+        four_bit: plan the model as QLoRA loads it, before loading it so (a model built on the `meta` device
+            will do): its linear layers but the head in 4 bits (NF4, double quantization, computing in bf16
+            where the GPU has it, else fp16), the other weights upcast to float32 by peft's
+            `prepare_model_for_kbit_training`. A model already loaded in 4 bits is planned as it is.
         verbose: print the plan.
     """
     import time
@@ -153,7 +158,8 @@ def plan_memory(model_or_trainer, training_args=None, *, optimizer=None, batch=N
     plan = MemoryPlan(model=type(inputs.model).__name__, gpu=target, gpu_note=gpu_note, batch=inputs.batch_size,
                       seq_len=inputs.seq_len, lengths_note=inputs.lengths_note, margin=margin,
                       notes=list(inputs.notes))
-    plan.rows, plan.host = make_rows(inputs, target, plan.budget, freeze=freeze)
+    plan.rows, plan.host = make_rows(inputs, target, plan.budget, freeze=freeze, four_bit=four_bit)
+    plan.notes = list(inputs.notes)  # with what planning found
     plan.seconds = time.perf_counter() - started
     _PLANS[inputs.model] = plan  # for preflight's verdicts
     if inputs.trainer is not None:

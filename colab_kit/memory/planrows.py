@@ -57,16 +57,27 @@ def micro_batches(batch: int) -> list[int]:
     return sizes
 
 
-def make_rows(inputs: PlanInputs, target: GpuTarget, budget: int, *, freeze: int | None = None):
-    """Every configuration's row, and the host RAM the run needs at load and at save."""
-    steps = {inputs.optimizer_name: FakeStep(inputs.model, inputs.make_optimizer)}
+def make_rows(inputs: PlanInputs, target: GpuTarget, budget: int, *, freeze: int | None = None,
+              four_bit: bool = False):
+    """Every configuration's row, and the host RAM the run needs at load, at save (and at merge, for an
+    adapter)."""
+    import torch
+
+    quantized = (torch.bfloat16 if target.bf16 else torch.float16) if four_bit else None
+    steps = {inputs.optimizer_name: FakeStep(inputs.model, inputs.make_optimizer, four_bit=quantized)}
     lighter = _adafactor(inputs)
     if lighter is not None:
-        steps["adafactor"] = FakeStep(inputs.model, lighter)
+        steps["adafactor"] = FakeStep(inputs.model, lighter, four_bit=quantized)
     if freeze:
         steps[f"{inputs.optimizer_name}, {freeze} blocks frozen"] = FakeStep(inputs.model, inputs.make_optimizer,
-                                                                              freeze=freeze)
+                                                                              freeze=freeze, four_bit=quantized)
     main = steps[inputs.optimizer_name]
+    if main.four_bit_layers:
+        inputs.notes.append(f"{main.four_bit_layers} linear layers in 4 bits (NF4"
+                            + (", double quantization" if four_bit else "") + "): packed weights and their "
+                            "quantization state, a 16-bit dequantized copy of one layer at a time"
+                            + ("; the other weights upcast to float32 by prepare_model_for_kbit_training"
+                               if four_bit else ""))
     precisions = target.precisions()
     if inputs.precision not in precisions:
         precisions.append(inputs.precision)  # what the run has now, even where the GPU would not run it
@@ -101,7 +112,7 @@ def make_rows(inputs: PlanInputs, target: GpuTarget, budget: int, *, freeze: int
                                         cost=seconds + k * trace.ops * LAUNCH_S, current=current and k == 1))
     for row in rows:  # relative to the run as it is now
         row.cost = row.cost / baseline if baseline else 1.0
-    return rows, _host(main)
+    return rows, _host(main, inputs.model, four_bit)
 
 
 def step_parts(trace, step: FakeStep, optimizer_peak, swap: int, share: float, k: int) -> dict:
@@ -141,14 +152,22 @@ def _adafactor(inputs: PlanInputs):
     return make
 
 
-def _host(step: FakeStep) -> dict:
+def _host(step: FakeStep, model, four_bit: bool) -> dict:
     """Host RAM on top of the process's own: at load, the model and the state dict it is loaded from;
     at save, safetensors' serialised copy of the weights and the largest optimizer tensor (torch.save
-    copies one GPU tensor at a time)."""
+    copies one GPU tensor at a time). An adapter's checkpoint serialises the adapter only; merging it
+    makes a 16-bit copy of the base in host RAM (`run.save_final(..., merged=True)` checks for it); a
+    4-bit model is loaded from its 16-bit files."""
     from ..gauges.monitor import read_host
+    from .adapters import base_elements, export_dtype, is_adapter_model
 
     reading = read_host()
     largest = max((v.numel() * v.element_size() for s in step.optimizer.state.values() for v in s.values()
                    if hasattr(v, "numel")), default=0)
-    return {"load": 2 * step.weights, "save": step.weights + largest, "process": reading.rss,
-            "limit": reading.limit}
+    host = {"load": 2 * step.weights, "save": step.weights + largest, "process": reading.rss, "limit": reading.limit}
+    if is_adapter_model(model):
+        half = 2 if four_bit or step.four_bit_layers else export_dtype(model).itemsize
+        host |= {"save": step.trainable + largest, "merge": base_elements(model) * half}
+        if four_bit or step.four_bit_layers:
+            host["load"] = host["merge"]
+    return host

@@ -48,7 +48,8 @@ def plan_table(plan) -> str:
     if host:
         limit = f" of the runtime's {format_bytes(host['limit'])}" if host.get("limit") else ""
         lines.append(f"  host RAM beyond this process's {format_bytes(host.get('process'))}: "
-                     f"{format_bytes(host['load'])} at load, {format_bytes(host['save'])} at save{limit}")
+                     f"{format_bytes(host['load'])} at load, {format_bytes(host['save'])} at save"
+                     + (f", {format_bytes(host['merge'])} to merge the adapter" if "merge" in host else "") + limit)
     lines.append(f"  -> {plan.advice()}")
     lines.append(f"  (traced in {plan.seconds:.1f} s; cost: per optimizer step, relative to the run as it is now)")
     return "\n".join(lines)

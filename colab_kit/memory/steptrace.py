@@ -26,6 +26,7 @@ import time
 import warnings
 from dataclasses import dataclass
 
+from .fourbit import is_four_bit, replace_linear, stand_in
 from .recipes import set_checkpointing
 
 __all__ = ["StepTrace", "FakeStep", "PRECISIONS"]
@@ -57,9 +58,11 @@ class FakeStep:
             parameters, or None for AdamW. Its multi-tensor (`foreach`) form is used, as on a GPU.
         round_to: bytes each allocation is rounded up to (512 for a GPU's caching allocator, 1 for exact).
         freeze: blocks to freeze at the bottom of the copy (`recipes.freeze_layers`), 0 for none.
+        four_bit: plan the model's linear layers as bitsandbytes would load them in 4 bits, computing in this
+            dtype (`fourbit.replace_linear`); layers already in 4 bits are always planned as such.
     """
 
-    def __init__(self, model, optimizer=None, *, round_to: int = 512, freeze: int = 0):
+    def __init__(self, model, optimizer=None, *, round_to: int = 512, freeze: int = 0, four_bit=None):
         import torch
         from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -67,8 +70,13 @@ class FakeStep:
         self.round_to = round_to
         self.mode = FakeTensorMode(allow_non_fake_inputs=True)
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        if self.device.type == "meta":
+            self.device = torch.device("cpu")
         with self.mode, _quiet():
             self.model = _fake_copy(model, self.mode, {})
+            if four_bit is not None:
+                replace_linear(self.model, self.mode, four_bit)
+            self.four_bit_layers = sum(type(m).__name__ == "FourBitLinear" for m in self.model.modules())
             if freeze:
                 from .recipes import freeze_layers
 
@@ -181,6 +189,9 @@ def _fake_copy(module, mode, memo: dict):
     Hook dictionaries are copied too, so that what the copy registers never reaches the original."""
     if id(module) in memo:
         return memo[id(module)]
+    if is_four_bit(module):  # its packed weight and quantization state, and its dequantizing matmul
+        memo[id(module)] = stand_in(module, mode)
+        return memo[id(module)]
     clone = copy.copy(module)
     memo[id(module)] = clone
     for key, value in list(vars(clone).items()):
@@ -214,7 +225,10 @@ def _fake_tensor(t, mode, memo: dict, parameter: bool = False):
 
     if ("tensor", id(t)) in memo:
         return memo[("tensor", id(t))]
-    fake = mode.from_tensor(t.detach())
+    if t.device.type == "meta":  # planned before it exists: traced as on the CPU (autocast has no meta kind)
+        fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+    else:
+        fake = mode.from_tensor(t.detach())
     if parameter:
         fake = torch.nn.Parameter(fake, requires_grad=t.requires_grad)
     memo[("tensor", id(t))] = fake
@@ -238,7 +252,10 @@ def _same_optimizer(optimizer, params, torch):
         except Exception as exc:  # an optimizer that cannot be rebuilt from its defaults
             raise ValueError(f"cannot make a {type(optimizer).__name__} for the traced copy ({exc}); pass "
                              f"optimizer=None to plan with AdamW") from exc
+    on_meta = any(p.device.type == "meta" for p in params)  # a model planned before it exists anywhere
     for group in made.param_groups:
+        if on_meta and group.get("fused"):  # the fused kernel refuses meta tensors; its state is the same
+            group["fused"] = False
         if "foreach" in group and not group.get("fused"):
             group["foreach"] = True
     return made

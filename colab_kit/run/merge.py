@@ -17,50 +17,13 @@ from pathlib import Path
 
 from .._units import format_bytes
 from ..errors import ColabKitError
+from ..memory.adapters import export_dtype, merged_bytes
 
-__all__ = ["merged_bytes", "check_host_ram", "save_merged", "MERGED"]
+__all__ = ["check_host_ram", "save_merged", "MERGED"]
 
 MERGED = "merged"  # the merged model's folder inside final/
 _MARGIN = 1.2  # the copy, then safetensors' write buffers and the allocator's slack
 _SPARE = 512 * 2**20  # what the kernel and Python need besides
-
-
-def _elements(param) -> int:
-    """The number of weights a parameter stands for: a 4-bit bitsandbytes parameter packs two per byte, and
-    its quantization state knows the shape it stands for."""
-    state = getattr(param, "quant_state", None)
-    shape = getattr(state, "shape", None)
-    if shape is not None:
-        n = 1
-        for size in shape:
-            n *= int(size)
-        return n
-    return param.numel()
-
-
-def export_dtype(model):
-    """The precision the merged weights are written in: the 4-bit quantization's compute dtype, else the
-    base's own floating dtype."""
-    import torch
-
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    quantization = getattr(getattr(base, "config", None), "quantization_config", None)
-    if quantization is not None:
-        wanted = (quantization.get("bnb_4bit_compute_dtype") if isinstance(quantization, dict)
-                  else getattr(quantization, "bnb_4bit_compute_dtype", None))
-        if isinstance(wanted, str):
-            wanted = getattr(torch, wanted.replace("torch.", ""), None)
-        return wanted or torch.float16
-    return next((p.dtype for p in base.parameters() if p.is_floating_point()), torch.float32)
-
-
-def merged_bytes(model) -> int:
-    """The merged model's size: the base's weights (the adapter's excluded) at the export precision."""
-    import torch
-
-    item = torch.empty((), dtype=export_dtype(model)).element_size()
-    own = [p for name, p in model.named_parameters() if "lora_" not in name and ".modules_to_save." not in name]
-    return sum(_elements(p) for p in own) * item
 
 
 def check_host_ram(model, available: int | None = None) -> int:

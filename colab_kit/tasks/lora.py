@@ -171,7 +171,8 @@ def build_model(settings: LoraSettings, tokenizer, model_name: str | None = None
         if quantization is not None:
             from peft import prepare_model_for_kbit_training
 
-            model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing)
+            model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing,
+                                                    gradient_checkpointing_kwargs={"use_reentrant": False})
     else:
         model = LlamaForCausalLM(LlamaConfig(
             vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,

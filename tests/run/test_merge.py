@@ -10,6 +10,7 @@ from test_run import events, start
 
 from colab_kit import ColabKitError, lora
 from colab_kit.checkpoints.validity import verify_folder
+from colab_kit.memory import adapters
 from colab_kit.run import merge
 
 
@@ -24,16 +25,16 @@ def tiny_lora(rank=4):
 def test_the_merged_size_counts_the_base_at_its_precision_and_4_bit_weights_by_the_shape_they_stand_for():
     model, _ = tiny_lora()
     base = sum(p.numel() for n, p in model.named_parameters() if "lora_" not in n)
-    assert merge.merged_bytes(model) == base * 4  # float32
+    assert adapters.merged_bytes(model) == base * 4  # float32
     model.half()
-    assert merge.merged_bytes(model) == base * 2
+    assert adapters.merged_bytes(model) == base * 2
     packed = types.SimpleNamespace(numel=lambda: 8, quant_state=types.SimpleNamespace(shape=torch.Size([4, 4])))
-    assert merge._elements(packed) == 16  # two 4-bit weights a byte: 8 bytes stand for a 4 x 4 weight
+    assert adapters._elements(packed) == 16  # two 4-bit weights a byte: 8 bytes stand for a 4 x 4 weight
 
 
 def test_a_merge_that_would_not_fit_host_ram_says_the_numbers_and_what_to_do():
     model, _ = tiny_lora()
-    need = merge.merged_bytes(model)
+    need = adapters.merged_bytes(model)
     assert merge.check_host_ram(model, available=10 << 30) == need
     with pytest.raises(ColabKitError, match=r"needs about .* of host RAM \(the merged model is .*\), and 1.0 MiB is "
                                             r"available, so it was not merged.*PeftModel.from_pretrained.*High-RAM"):
