@@ -21,12 +21,12 @@ Two things the CPU would do differently from the GPU are set as the GPU does the
 from __future__ import annotations
 
 import contextlib
-import copy
 import time
 import warnings
 from dataclasses import dataclass
 
-from .fourbit import is_four_bit, replace_linear, stand_in
+from .fakecopy import fake_copy, frozen_as_buffers, same_optimizer, tensor_bytes
+from .fourbit import replace_linear
 from .recipes import set_checkpointing
 
 __all__ = ["StepTrace", "FakeStep", "PRECISIONS"]
@@ -73,7 +73,7 @@ class FakeStep:
         if self.device.type == "meta":
             self.device = torch.device("cpu")
         with self.mode, _quiet():
-            self.model = _fake_copy(model, self.mode, {})
+            self.model = fake_copy(model, self.mode, {})
             if four_bit is not None:
                 replace_linear(self.model, self.mode, four_bit)
             self.four_bit_layers = sum(type(m).__name__ == "FourBitLinear" for m in self.model.modules())
@@ -81,17 +81,17 @@ class FakeStep:
                 from .recipes import freeze_layers
 
                 freeze_layers(self.model, freeze)
-            self.frozen = _frozen_as_buffers(self.model, round_to)
+            self.frozen = frozen_as_buffers(self.model, round_to)
             params = [p for p in self.model.parameters() if p.requires_grad]
-            self.optimizer = _same_optimizer(optimizer, params, torch)
+            self.optimizer = same_optimizer(optimizer, params, torch)
             for p in params:  # the state the optimizer holds from its first step on
                 p.grad = torch.zeros_like(p)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-        self.weights = _bytes(self.model.parameters(), round_to) + self.frozen
-        self.buffers = _bytes(self.model.buffers(), round_to) - self.frozen
-        self.trainable = _bytes(params, round_to)
-        self.optimizer_state = _bytes((v for s in self.optimizer.state.values() for v in s.values()
+        self.weights = tensor_bytes(self.model.parameters(), round_to) + self.frozen
+        self.buffers = tensor_bytes(self.model.buffers(), round_to) - self.frozen
+        self.trainable = tensor_bytes(params, round_to)
+        self.optimizer_state = tensor_bytes((v for s in self.optimizer.state.values() for v in s.values()
                                        if torch.is_tensor(v)), round_to)
 
     @property
@@ -129,7 +129,7 @@ class FakeStep:
                 if not keep_outputs:
                     del outputs
                 loss.backward()
-                gradients = _bytes((p.grad for p in self.model.parameters() if p.grad is not None), self.round_to)
+                gradients = tensor_bytes((p.grad for p in self.model.parameters() if p.grad is not None), self.round_to)
                 if optimizer_step:
                     self.optimizer.step()
                 del loss
@@ -163,17 +163,6 @@ class FakeStep:
                          seconds=time.perf_counter() - started)
 
 
-def _bytes(tensors, round_to: int = 1) -> int:
-    seen, total = set(), 0
-    for t in tensors:
-        if t is None or id(t) in seen:
-            continue
-        seen.add(id(t))
-        size = t.numel() * t.element_size()
-        total += -(-size // round_to) * round_to
-    return total
-
-
 def _parts(snapshot) -> dict:
     """The tracker's peak snapshot, summed over devices, with the kit's names."""
     parts: dict = {}
@@ -182,83 +171,6 @@ def _parts(snapshot) -> dict:
             name = _CATEGORIES.get(getattr(key, "value", key), "Total" if key == "Total" else str(key))
             parts[name] = parts.get(name, 0) + int(value)
     return parts
-
-
-def _fake_copy(module, mode, memo: dict):
-    """A copy of `module` whose parameters and buffers are fake; shared (tied) tensors stay shared.
-    Hook dictionaries are copied too, so that what the copy registers never reaches the original."""
-    if id(module) in memo:
-        return memo[id(module)]
-    if is_four_bit(module):  # its packed weight and quantization state, and its dequantizing matmul
-        memo[id(module)] = stand_in(module, mode)
-        return memo[id(module)]
-    clone = copy.copy(module)
-    memo[id(module)] = clone
-    for key, value in list(vars(clone).items()):
-        if key.startswith("_") and isinstance(value, dict):
-            setattr(clone, key, type(value)(value) if type(value) is not dict else dict(value))
-    clone._parameters = {name: None if p is None else _fake_tensor(p, mode, memo, parameter=True)
-                         for name, p in module._parameters.items()}
-    clone._buffers = {name: None if b is None else _fake_tensor(b, mode, memo)
-                      for name, b in module._buffers.items()}
-    clone._modules = {name: None if m is None else _fake_copy(m, mode, memo) for name, m in module._modules.items()}
-    if "config" in vars(module):  # a transformers model: what checkpointing changes in it stays in the copy
-        clone.config = memo.setdefault(("config", id(module.config)), copy.copy(module.config))
-    return clone
-
-
-def _frozen_as_buffers(model, round_to: int) -> int:
-    """Frozen parameters of the copy held as buffers (the same bytes, no gradient, no optimizer state):
-    the memory tracker hooks every parameter's gradient and cannot hook one that takes none. Returns
-    their bytes."""
-    moved: dict = {}
-    for module in model.modules():
-        for name, p in list(module._parameters.items()):
-            if p is not None and not p.requires_grad:
-                del module._parameters[name]
-                module._buffers[name] = moved.setdefault(id(p), p.detach())
-    return _bytes(moved.values(), round_to)
-
-
-def _fake_tensor(t, mode, memo: dict, parameter: bool = False):
-    import torch
-
-    if ("tensor", id(t)) in memo:
-        return memo[("tensor", id(t))]
-    if t.device.type == "meta":  # planned before it exists: traced as on the CPU (autocast has no meta kind)
-        fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
-    else:
-        fake = mode.from_tensor(t.detach())
-    if parameter:
-        fake = torch.nn.Parameter(fake, requires_grad=t.requires_grad)
-    memo[("tensor", id(t))] = fake
-    return fake
-
-
-def _same_optimizer(optimizer, params, torch):
-    """An optimizer of the user's class and settings for the fake parameters (AdamW when none is given),
-    in its multi-tensor form, which PyTorch picks on a GPU."""
-    if optimizer is None:
-        made = torch.optim.AdamW(params, lr=5e-5)
-    elif callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
-        made = optimizer(params)
-    else:
-        import inspect
-
-        accepted = inspect.signature(type(optimizer).__init__).parameters
-        settings = {k: v for k, v in optimizer.defaults.items() if k in accepted}  # AdamW's defaults hold Adam's
-        try:
-            made = type(optimizer)(params, **settings)
-        except Exception as exc:  # an optimizer that cannot be rebuilt from its defaults
-            raise ValueError(f"cannot make a {type(optimizer).__name__} for the traced copy ({exc}); pass "
-                             f"optimizer=None to plan with AdamW") from exc
-    on_meta = any(p.device.type == "meta" for p in params)  # a model planned before it exists anywhere
-    for group in made.param_groups:
-        if on_meta and group.get("fused"):  # the fused kernel refuses meta tensors; its state is the same
-            group["fused"] = False
-        if "foreach" in group and not group.get("fused"):
-            group["foreach"] = True
-    return made
 
 
 class _OpCounter:
