@@ -1,10 +1,11 @@
 """What the kit needs to know of a peft adapter model (LoRA, QLoRA), in one place: whether a model is one,
 how many weights its frozen base stands for (4-bit weights counted by the shape they stand for, not their
-packed bytes), and what merging the adapter into a 16-bit copy of the base costs in host RAM."""
+packed bytes), what merging the adapter into a 16-bit copy of the base costs in host RAM, and what a
+`CheckpointStore` checkpoint of it holds (the trainable tensors, and a fingerprint of the frozen base)."""
 
 from __future__ import annotations
 
-__all__ = ["is_adapter_model", "base_elements", "export_dtype", "merged_bytes"]
+__all__ = ["is_adapter_model", "base_elements", "export_dtype", "merged_bytes", "trainable_state", "base_fingerprint"]
 
 
 def is_adapter_model(model) -> bool:
@@ -50,3 +51,33 @@ def merged_bytes(model) -> int:
     import torch
 
     return base_elements(model) * torch.empty((), dtype=export_dtype(model)).element_size()
+
+
+_SAMPLED = 4096  # values read from each frozen tensor for its fingerprint
+
+
+def trainable_state(model) -> dict:
+    """The trainable tensors by name (an adapter's weights, and any layer peft trains whole): what an adapter
+    checkpoint holds."""
+    return {name: p.detach() for name, p in model.named_parameters() if p.requires_grad}
+
+
+def base_fingerprint(model) -> str:
+    """A fingerprint of the frozen weights an adapter was trained on: every frozen tensor's name, shape and
+    dtype, and 4,096 of its values read evenly through it (4-bit weights as their packed bytes). Another base
+    model, another quantization or other weights under the same names give another fingerprint; it costs a
+    few milliseconds, not a read of every weight."""
+    import hashlib
+
+    import torch
+
+    digest = hashlib.sha256()
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            continue
+        flat = p.data.reshape(-1)
+        digest.update(f"{name}:{tuple(p.shape)}:{p.dtype};".encode())
+        if flat.numel():
+            picks = torch.linspace(0, flat.numel() - 1, min(flat.numel(), _SAMPLED), device=flat.device).long()
+            digest.update(flat[picks].contiguous().cpu().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:16]

@@ -2,6 +2,8 @@
 
     checkpoint-<step>/
       model.safetensors      the model (one process, or DDP: rank 0's copy of the replicated weights)
+      adapter.safetensors    instead, for a peft model: its trainable tensors only, and in its metadata the
+                             fingerprint of the frozen base they were trained on (`memory/adapters.py`)
       optimizer.pt           its state_dict() (likewise)
       shards/                a sharded model (FSDP2) and its optimizer: torch.distributed.checkpoint,
                              one `__<rank>_0.distcp` per rank and `.metadata` (`distributed/sharded.py`)
@@ -20,10 +22,11 @@ from pathlib import Path
 
 from ..errors import CheckpointError
 
-__all__ = ["MODEL_FILE", "EXTRA_FILE", "STATE_FILES", "rng_file", "staging_name", "remove_abandoned_staging",
+__all__ = ["MODEL_FILE", "ADAPTER_FILE", "EXTRA_FILE", "STATE_FILES", "rng_file", "staging_name", "remove_abandoned_staging",
            "write_rank_files", "load_state_files", "read_whole", "load_rng", "save_fsynced"]
 
 MODEL_FILE = "model.safetensors"
+ADAPTER_FILE = "adapter.safetensors"
 EXTRA_FILE = "extra.pt"
 STATE_FILES = {"optimizer": "optimizer.pt", "scheduler": "scheduler.pt", "scaler": "scaler.pt"}
 
@@ -113,21 +116,60 @@ def save_fsynced(obj, path: Path) -> None:
 def write_rank_files(folder: Path, rank: int, world: int, *, sharded: bool, model=None, optimizer=None,
                      scheduler=None, scaler=None, extra: dict | None = None) -> None:
     """Write this rank's share of a checkpoint into `folder`, fsynced (the shards are `sharded.py`'s)."""
-    from safetensors.torch import save_model
-
     folder.mkdir(parents=True, exist_ok=True)
     save_fsynced(_rng_state(), folder / rng_file(rank, world))
     if rank != 0:
         return  # everything else is the same on every rank: rank 0's copy is the checkpoint's
     if model is not None and not sharded:
-        save_model(model, str(folder / MODEL_FILE))
-        with open(folder / MODEL_FILE, "rb+") as fh:  # safetensors does not fsync
+        name = _write_model(model, folder)
+        with open(folder / name, "rb+") as fh:  # safetensors does not fsync
             os.fsync(fh.fileno())
     parts = (("scheduler", scheduler), ("scaler", scaler)) + ((("optimizer", optimizer),) if not sharded else ())
     for key, obj in parts:
         if obj is not None:
             save_fsynced(obj.state_dict(), folder / STATE_FILES[key])
     save_fsynced(dict(extra or {}), folder / EXTRA_FILE)
+
+
+def _write_model(model, folder: Path) -> str:
+    """The model's file: a peft model's trainable tensors with its base's fingerprint, else the whole model."""
+    from safetensors.torch import save_file, save_model
+
+    from ..memory.adapters import base_fingerprint, is_adapter_model, trainable_state
+
+    if is_adapter_model(model):
+        tensors = {name: t.contiguous() for name, t in trainable_state(model).items()}
+        save_file(tensors, str(folder / ADAPTER_FILE), metadata={"base": base_fingerprint(model)})
+        return ADAPTER_FILE
+    save_model(model, str(folder / MODEL_FILE))
+    return MODEL_FILE
+
+
+def _load_adapter(model, file: Path, step: int) -> None:
+    """Put an adapter checkpoint's tensors into `model`'s trainable parameters: every one of them, onto the
+    same frozen base (its fingerprint), or nothing at all."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    from ..errors import ResumeMismatchError
+    from ..memory.adapters import base_fingerprint, trainable_state
+
+    with safe_open(str(file), "pt") as fh:
+        saved_base = (fh.metadata() or {}).get("base")
+    if saved_base != base_fingerprint(model):
+        raise ResumeMismatchError(
+            f"checkpoint-{step}'s adapter was trained on another base model than this one (its frozen weights "
+            f"differ: another model, another quantization, or other weights), so it was not loaded. Load the "
+            f"same base model the same way (MODEL_NAME, QUANTIZE), or save into a new folder")
+    tensors, own = load_file(str(file)), trainable_state(model)
+    if set(tensors) != set(own) or any(tensors[n].shape != own[n].shape for n in own):
+        raise ResumeMismatchError(
+            f"checkpoint-{step}'s adapter has other tensors than this model's ({len(tensors)} saved, {len(own)} "
+            f"trainable here): build the adapter as it was (rank, target modules), or save into a new folder")
+    with torch.no_grad():
+        for name, value in tensors.items():
+            own[name].copy_(value)
 
 
 def _state_of(path: Path, step: int, key: str, map_location):
@@ -145,7 +187,9 @@ def load_state_files(path: Path, step: int, *, model=None, optimizer=None, sched
     (a plain model: no collective)."""
     from safetensors.torch import load_model
 
-    if model is not None:
+    if model is not None and (path / ADAPTER_FILE).is_file():
+        _load_adapter(model, path / ADAPTER_FILE, step)
+    elif model is not None:
         load_model(model, str(path / MODEL_FILE), strict=True)
     for key, obj in (("optimizer", optimizer), ("scheduler", scheduler), ("scaler", scaler)):
         if obj is not None:
