@@ -108,13 +108,14 @@ def replace_linear(model, mode, compute_dtype) -> int:
     for name in chosen:
         parent, _, child = name.rpartition(".")
         setattr(named[parent] if parent else model, child, stand_in(named[name], mode, compute_dtype=compute_dtype))
+    upcast: dict = {}  # one float32 copy of a tensor shared by two modules (tied embeddings stay tied)
     for name, module in model.named_modules():
         if any(p.startswith("lora_") or p == "modules_to_save" for p in name.split(".")):
             continue
         for key, p in list(module._parameters.items()):
             if p is not None and p.is_floating_point() and p.dtype != torch.float32:
-                module._parameters[key] = torch.nn.Parameter(torch.empty_like(p, dtype=torch.float32),
-                                                             requires_grad=p.requires_grad)
+                module._parameters[key] = upcast.setdefault(id(p), torch.nn.Parameter(
+                    torch.empty_like(p, dtype=torch.float32), requires_grad=p.requires_grad))
     return len(chosen)
 
 

@@ -173,3 +173,17 @@ def test_a_plan_made_before_loading_names_the_4_bit_layers_and_the_host_ram_to_m
     assert plan.host["save"] < 4 * adapter * 4  # the adapter and its largest optimizer tensor, not the model
     assert "to merge the adapter" in said
     assert plan.chosen is not None and {r.precision for r in plan.rows} == {"fp32", "fp16"}  # a T4 has no bf16
+
+
+def test_tied_embeddings_stay_one_tensor_when_planned_as_upcast():
+    """prepare_model_for_kbit_training casts a tied embedding in place: one float32 tensor, not two."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                                         dtype=torch.bfloat16)).to(torch.bfloat16)
+    step = FakeStep(with_adapter(model, 4, False), None, round_to=1, four_bit=torch.float16)
+    embedding = step.model.get_input_embeddings().weight
+    assert embedding is step.model.get_output_embeddings().weight and embedding.dtype == torch.float32
+    assert step.weights < 2 * VOCAB * 64 * 4  # the embeddings counted once
