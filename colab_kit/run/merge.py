@@ -19,11 +19,24 @@ from .._units import format_bytes
 from ..errors import ColabKitError
 from ..memory.adapters import export_dtype, merged_bytes
 
-__all__ = ["check_host_ram", "save_merged", "MERGED"]
+__all__ = ["available_ram", "check_host_ram", "save_merged", "MERGED"]
 
 MERGED = "merged"  # the merged model's folder inside final/
 _MARGIN = 1.2  # the copy, then safetensors' write buffers and the allocator's slack
 _SPARE = 512 * 2**20  # what the kernel and Python need besides
+
+
+def available_ram() -> int:
+    """Host RAM this runtime can still take: its container's limit less what it uses (Colab's VM reports the
+    machine's RAM to psutil, the container's limit is the truth), else what psutil says is available."""
+    import psutil
+
+    from ..gauges.monitor import read_host
+
+    reading = read_host()
+    if reading.limit and reading.used is not None:
+        return max(reading.limit - reading.used, 0)
+    return psutil.virtual_memory().available
 
 
 def check_host_ram(model, available: int | None = None) -> int:
@@ -32,10 +45,8 @@ def check_host_ram(model, available: int | None = None) -> int:
     Raises:
         ColabKitError: the bytes it needs and the bytes available, and what to do instead.
     """
-    import psutil
-
     need = merged_bytes(model)
-    available = psutil.virtual_memory().available if available is None else available
+    available = available_ram() if available is None else available
     wanted = int(need * _MARGIN) + _SPARE
     if available < wanted:
         raise ColabKitError(

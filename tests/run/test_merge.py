@@ -67,10 +67,8 @@ def test_merged_export_equals_the_adapter_on_its_base_and_leaves_the_trained_mod
 
 def test_without_the_ram_for_a_merge_the_adapter_alone_is_exported_and_the_reason_journaled(drive, local, monkeypatch,
                                                                                            capsys):
-    import psutil
-
     model, tokenizer = tiny_lora()
-    monkeypatch.setattr(psutil, "virtual_memory", lambda: types.SimpleNamespace(available=1 << 20))
+    monkeypatch.setattr(merge, "available_ram", lambda: 1 << 20)
     run = start(drive, local, "n", quiet=True, gauges=False)
     target = run.save_final(model, tokenizer, metrics={"perplexity": 3.0}, merged=True)
     assert verify_folder(target) is None and (target / "adapter_model.safetensors").is_file()
@@ -79,6 +77,14 @@ def test_without_the_ram_for_a_merge_the_adapter_alone_is_exported_and_the_reaso
     assert "so it was not merged" in capsys.readouterr().out
     assert [e["what"] for e in events(run, "warn")] == ["merge_skipped"]
     run.finish(timeout=30)
+
+
+def test_the_ram_a_merge_may_take_is_the_containers_limit_less_its_use(monkeypatch):
+    from colab_kit.gauges import monitor
+
+    monkeypatch.setattr(monitor, "read_host", lambda: monitor.HostReading(rss=1, peak_rss=1, used=9 << 30,
+                                                                         limit=12 << 30))
+    assert merge.available_ram() == 3 << 30  # Colab's 12.7 GB container, not the machine psutil sees
 
 
 def test_merged_is_for_an_adapter_model(drive, local):
