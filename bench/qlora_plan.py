@@ -8,7 +8,7 @@ download), a LoRA adapter of rank 16 put on every linear layer with peft, and `c
 four_bit=True)` plans it as QLoRA loads it: every linear layer but the head in 4 bits (NF4, double
 quantization, computing in fp16 on a T4), the other weights upcast to float32 by
 `prepare_model_for_kbit_training`. What is measured and what is stated: the plan's rules for 4-bit layers,
-adapters and the upcasts are checked against real steps on the CPU (bitsandbytes' CPU path; within 1 %,
+adapters and the upcasts are checked against real steps on the CPU (bitsandbytes' CPU path; within 0.5 %,
 tests/memory/test_plan_lora.py); a T4's allocator, CUDA context and kernels are not (no GPU here:
 bench/gpu_plan.py is the GPU check of the plan for full fine-tuning).
 """

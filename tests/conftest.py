@@ -239,3 +239,13 @@ def fake_nvml(monkeypatch):
     monkeypatch.setitem(sys.modules, "pynvml", nvml)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     return state
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_files(tmp_path_factory) -> Path:
+    """A tiny Llama-shaped model's files (tests/scripts/adapter_models.py), made once per test worker."""
+    from adapter_models import save_tiny_llama
+
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    save_tiny_llama(folder)
+    return folder

@@ -27,7 +27,7 @@ from ..checkpoints.checkpoint import ARCHIVE, FINAL, publish_folder
 from ..checkpoints.manifest import Manifest, hash_folder
 from ..drive.cloud import upload_for
 from ..drive.gate import act
-from ..errors import DriveError
+from ..errors import ColabKitError, DriveError
 
 _STAGING = f".{FINAL}.new-"  # a new export, written beside final/ until it verifies
 
@@ -49,7 +49,7 @@ def save_final(run, model, tokenizer=None, metrics: dict | None = None, retries:
     with no_shard_bars():
         model.save_pretrained(local, safe_serialization=True)
     if merged:
-        metrics = _merge_into(run, model, local, metrics)
+        metrics = _merge_into(run, model, tokenizer, local, metrics)
     if tokenizer is not None:
         tokenizer.save_pretrained(local)
     metrics_json = (json.dumps(metrics, indent=1, default=float) + "\n").encode() if metrics is not None else None
@@ -95,18 +95,21 @@ def save_final(run, model, tokenizer=None, metrics: dict | None = None, retries:
     return target
 
 
-def _merge_into(run, model, local: Path, metrics: dict | None) -> dict | None:
-    """The merged model in `local/merged/`, or the adapter alone and the reason said (never a lost export).
-    Returns the metrics with what happened added (when there are metrics)."""
-    from ..errors import ColabKitError
+def _merge_into(run, model, tokenizer, local: Path, metrics: dict | None) -> dict | None:
+    """The merged model (and the tokenizer) in `local/merged/`; when it cannot be made (host RAM, a base that
+    cannot be read again, an error in peft), the adapter alone, and the reason said: the export is never lost
+    to the merge. Returns the metrics with what happened added (when there are metrics)."""
     from .merge import MERGED, save_merged
 
     try:
         size = save_merged(model, local / MERGED, local)
-    except ColabKitError as exc:
+        if tokenizer is not None:
+            tokenizer.save_pretrained(local / MERGED)
+    except Exception as exc:  # noqa: BLE001 - any failure leaves the adapter's export as it is
         shutil.rmtree(local / MERGED, ignore_errors=True)
         run.journal.write("warn", what="merge_skipped", reason=str(exc))
-        print(f"colab_kit: {exc}", flush=True)
+        print(f"colab_kit: the adapter was not merged: {exc}" if not isinstance(exc, ColabKitError)
+              else f"colab_kit: {exc}", flush=True)
         return metrics if metrics is None else {**metrics, "merged": False}
     print(f"colab_kit: the adapter merged into the base model: {format_bytes(size)} in {MERGED}/", flush=True)
     return metrics if metrics is None else {**metrics, "merged": True}

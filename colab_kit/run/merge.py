@@ -47,7 +47,8 @@ def check_host_ram(model, available: int | None = None) -> int:
     """
     need = merged_bytes(model)
     available = available_ram() if available is None else available
-    wanted = int(need * _MARGIN) + _SPARE
+    copies = 2 if _on_gpu(model) and not _quantized(model) else 1  # the model itself comes to the CPU too
+    wanted = int(copies * need * _MARGIN) + _SPARE
     if available < wanted:
         raise ColabKitError(
             f"merging the adapter into the base model needs about {format_bytes(wanted)} of host RAM (the merged "
@@ -73,20 +74,32 @@ def save_merged(model, folder: Path, adapter_dir: Path) -> int:
     return need
 
 
+def _quantized(model) -> bool:
+    return any(getattr(p, "quant_state", None) is not None for p in model.get_base_model().parameters())
+
+
+def _on_gpu(model) -> bool:
+    return any(p.device.type != "cpu" for p in model.parameters())
+
+
 def _merged_copy(model, adapter_dir: Path):
-    """The merged model on the CPU, leaving `model` as it was."""
-    base = model.get_base_model()
-    quantized = any(getattr(p, "quant_state", None) is not None for p in base.parameters())
-    on_gpu = any(p.device.type != "cpu" for p in base.parameters())
-    if not quantized and not on_gpu:
-        return copy.deepcopy(model).merge_and_unload()
+    """The merged model on the CPU, leaving `model` as it was (where it was)."""
+    import torch
+
+    if not _quantized(model):
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        try:  # host RAM was checked for the copy; the GPU is not asked for a second model
+            return copy.deepcopy(model.to("cpu")).merge_and_unload()
+        finally:
+            model.to(device)
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     source = next(iter(model.peft_config.values())).base_model_name_or_path
     if not source:
-        raise ColabKitError("the base model's name is not recorded in the adapter's config, so it cannot be "
+        raise ColabKitError("the 4-bit base model's name is not recorded in the adapter's config, so it cannot be "
                             "loaded again at 16 bits for the merge; the adapter alone is exported")
-    fresh = AutoModelForCausalLM.from_pretrained(source, dtype=export_dtype(model), device_map={"": "cpu"},
+    # 4-bit weights merge with rounding: the base is read again from its files, in the dtype they hold.
+    fresh = AutoModelForCausalLM.from_pretrained(source, dtype="auto", device_map={"": "cpu"},
                                                  low_cpu_mem_usage=True)
     return PeftModel.from_pretrained(fresh, str(adapter_dir)).merge_and_unload()

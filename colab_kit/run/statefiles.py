@@ -139,10 +139,19 @@ def _write_model(model, folder: Path) -> str:
 
     if is_adapter_model(model):
         tensors = {name: t.contiguous() for name, t in trainable_state(model).items()}
-        save_file(tensors, str(folder / ADAPTER_FILE), metadata={"base": base_fingerprint(model)})
+        save_file(tensors, str(folder / ADAPTER_FILE), metadata={"base": base_fingerprint(model),
+                                                                 "base_dtype": _frozen_dtype(model)})
         return ADAPTER_FILE
     save_model(model, str(folder / MODEL_FILE))
     return MODEL_FILE
+
+
+def _frozen_dtype(model) -> str:
+    """The dtype most of the frozen base's weights are in (its name: "bfloat16", "uint8" for 4 bits)."""
+    from collections import Counter
+
+    counts = Counter(str(p.dtype).replace("torch.", "") for p in model.parameters() if not p.requires_grad)
+    return counts.most_common(1)[0][0] if counts else "none"
 
 
 def _load_adapter(model, file: Path, step: int) -> None:
@@ -156,8 +165,13 @@ def _load_adapter(model, file: Path, step: int) -> None:
     from ..memory.adapters import base_fingerprint, trainable_state
 
     with safe_open(str(file), "pt") as fh:
-        saved_base = (fh.metadata() or {}).get("base")
-    if saved_base != base_fingerprint(model):
+        saved = fh.metadata() or {}
+    if saved.get("base") != base_fingerprint(model):
+        if saved.get("base_dtype") not in (None, _frozen_dtype(model)):
+            raise ResumeMismatchError(
+                f"checkpoint-{step}'s adapter was trained on the base model in {saved['base_dtype']}, and this one "
+                f"is in {_frozen_dtype(model)} (another GPU picks another half precision), so it was not loaded: "
+                f"load the base with dtype=torch.{saved['base_dtype']}, or save into a new folder")
         raise ResumeMismatchError(
             f"checkpoint-{step}'s adapter was trained on another base model than this one (its frozen weights "
             f"differ: another model, another quantization, or other weights), so it was not loaded. Load the "

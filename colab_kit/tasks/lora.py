@@ -77,6 +77,9 @@ def resolve_settings(preset: str, *, epochs: int | None = None, learning_rate: f
         raise ValueError(f"QUANTIZE={quantize!r}: use {', '.join(repr(q) for q in _QUANTIZE)}")
     gpu = gpu or gpu_info()
     has_bitsandbytes = bitsandbytes_runs() if has_bitsandbytes is None else has_bitsandbytes
+    if quantize == "4bit" and preset != "full":
+        raise ValueError("QUANTIZE='4bit' is for the full preset's pre-trained model; the quick preset's tiny model "
+                         "is built in float32 on the CPU: use QUANTIZE='auto'")
     if quantize == "4bit" and (gpu is None or not has_bitsandbytes):
         raise ValueError("QUANTIZE='4bit' needs a GPU and bitsandbytes (pip install bitsandbytes, then restart the "
                          "session); QUANTIZE='auto' falls back to 16-bit LoRA where it cannot run")
@@ -164,10 +167,11 @@ def build_model(settings: LoraSettings, tokenizer, model_name: str | None = None
     torch.manual_seed(seed)
     if settings.preset == "full":
         quantization = quantization_config(settings)
-        half = torch.bfloat16 if settings.bf16 else torch.float16
-        model = AutoModelForCausalLM.from_pretrained(model_name, quantization_config=quantization, dtype=half,
+        on_gpu = torch.cuda.is_available()
+        dtype = (torch.bfloat16 if settings.bf16 else torch.float16) if on_gpu else torch.float32  # ALLOW_CPU
+        model = AutoModelForCausalLM.from_pretrained(model_name, quantization_config=quantization, dtype=dtype,
                                                      attn_implementation="sdpa",
-                                                     device_map={"": 0} if torch.cuda.is_available() else None)
+                                                     device_map={"": 0} if on_gpu else None)
         if quantization is not None:
             from peft import prepare_model_for_kbit_training
 
@@ -181,6 +185,11 @@ def build_model(settings: LoraSettings, tokenizer, model_name: str | None = None
             # A random base at the usual 0.02 has logits within about +-1.3 (unit-norm states against head rows
             # of norm 0.16): no adapter could make it confident. At 0.2 its weights have a trained model's scale.
             initializer_range=0.2))
+    if gradient_checkpointing:
+        # The frozen embeddings' output takes no gradient; checkpointed blocks must still see one, or their
+        # adapters would not train under reentrant checkpointing (transformers 4.x's default, which the
+        # Trainer sets again). Harmless under non-reentrant checkpointing.
+        model.enable_input_require_grads()
     adapter = LoraConfig(r=settings.rank, lora_alpha=2 * settings.rank, lora_dropout=0.05, target_modules="all-linear",
                          task_type="CAUSAL_LM")
     with warnings.catch_warnings():  # peft 0.21 asks the model by transformers 4's name, which 5.x deprecates

@@ -7,20 +7,16 @@ own, quantized and run on the CPU (its CPU path dequantizes then multiplies, as 
 training step's more than 1,536 rows); a GPU's allocator and kernels are not checked here.
 """
 
-import logging
-import warnings
-
 import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, TrainingArguments
 
 import colab_kit as ck
 from colab_kit.memory import fourbit
-from colab_kit.memory.recipes import set_checkpointing
 from colab_kit.memory.steptrace import FakeStep
+from adapter_models import VOCAB, qlora, with_adapter
 from measured_peak import measured_step_peak
 
-VOCAB = 2000
 
 
 def base_model(kind):
@@ -29,17 +25,6 @@ def base_model(kind):
         return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=512, num_hidden_layers=2,
                                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256))
     return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=256, n_embd=128, n_layer=2, n_head=2, attn_pdrop=0.0))
-
-
-def with_adapter(model, rank, checkpointing):
-    from peft import LoraConfig, get_peft_model
-
-    if checkpointing:
-        set_checkpointing(model)  # before peft, which then makes the inputs require gradients
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        return get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0,
-                                                target_modules="all-linear", task_type="CAUSAL_LM"))
 
 
 def batch(rows=8, seq=128):
@@ -80,35 +65,6 @@ def test_a_lora_step_is_planned_within_ten_percent_of_a_measured_one(kind, rank,
     # The frozen base takes no gradient and no optimizer state: only the adapter's parameters do.
     adapter = sum(p.numel() * 4 for p in build().parameters() if p.requires_grad)
     assert step.trainable == adapter and step.optimizer_state == 2 * adapter + 4 * len(step.optimizer.state)
-
-
-@pytest.fixture(scope="module")
-def tiny_llama_files(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2,
-                                 max_position_embeddings=256)).save_pretrained(folder)
-    return folder
-
-
-def qlora(folder, rank, checkpointing, double_quant=True):
-    """The QLoRA recipe on the CPU: bitsandbytes NF4, prepare_model_for_kbit_training, LoRA everywhere."""
-    from peft import prepare_model_for_kbit_training
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
-
-    torch.manual_seed(0)
-    quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                      bnb_4bit_use_double_quant=double_quant, bnb_4bit_compute_dtype=torch.bfloat16)
-    logging.disable(logging.WARNING)  # bitsandbytes says once that it found no optional CPU kernel
-    try:
-        model = AutoModelForCausalLM.from_pretrained(folder, quantization_config=quantization, dtype=torch.bfloat16,
-                                                     device_map="cpu")
-    finally:
-        logging.disable(logging.NOTSET)
-    model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=checkpointing,
-                                            gradient_checkpointing_kwargs={"use_reentrant": False})
-    return with_adapter(model, rank, checkpointing=False)
 
 
 needs_bitsandbytes = pytest.mark.skipif(not ck.lora.bitsandbytes_runs(),

@@ -93,3 +93,45 @@ def test_merged_is_for_an_adapter_model(drive, local):
                                          "adapter"):
         run.save_final(torch.nn.Linear(2, 2), merged=True)
     run.finish(timeout=30)
+
+
+def test_a_4_bit_model_is_merged_onto_its_base_read_again_at_16_bits(drive, local, tiny_llama_files):
+    """bitsandbytes on the CPU: the merge reads the base again from its files (4-bit weights would merge with
+    rounding) and folds the adapter in; the result equals the adapter on that 16-bit base."""
+    from peft import PeftModel
+    from adapter_models import qlora
+    from transformers import AutoModelForCausalLM
+
+    if not lora.bitsandbytes_runs():
+        pytest.skip("bitsandbytes is not installed (requirements-test.txt has it)")
+    model = qlora(tiny_llama_files, 4, False)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    run = start(drive, local, "q", quiet=True, gauges=False)
+    target = run.save_final(model, merged=True)
+    assert verify_folder(target) is None and (target / "merged" / "model.safetensors").is_file()
+    merged = AutoModelForCausalLM.from_pretrained(target / "merged").eval()
+    assert not any(getattr(p, "quant_state", None) is not None for p in merged.parameters())
+    base = AutoModelForCausalLM.from_pretrained(tiny_llama_files, dtype="auto")
+    expected = PeftModel.from_pretrained(base, target).eval()
+    ids = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.allclose(expected(input_ids=ids).logits, merged(input_ids=ids).logits, atol=1e-4)
+    run.finish(timeout=30)
+
+
+def test_any_failure_of_the_merge_leaves_the_adapter_exported(drive, local, monkeypatch, capsys):
+    model, tokenizer = tiny_lora()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("peft could not merge this layer")
+
+    monkeypatch.setattr(merge, "_merged_copy", broken)
+    run = start(drive, local, "r", quiet=True, gauges=False)
+    target = run.save_final(model, tokenizer, metrics={"perplexity": 3.0}, merged=True)
+    assert verify_folder(target) is None and (target / "adapter_model.safetensors").is_file()
+    assert not (target / "merged").exists() and json.loads((target / "metrics.json").read_text())["merged"] is False
+    assert "the adapter was not merged: peft could not merge this layer" in capsys.readouterr().out
+    run.finish(timeout=30)

@@ -75,3 +75,19 @@ def test_an_adapter_is_never_restored_onto_another_base(drive, local):
     with ck.CheckpointStore(drive, local_dir=local) as store:
         with pytest.raises(ck.ResumeMismatchError):
             store.restore_latest(model=adapter_model(base_seed=0, rank=8))  # another adapter on the same base
+    norms_too = adapter_model(base_seed=0)  # the same tensors; the norms trained too, so frozen no more
+    for name, p in norms_too.named_parameters():
+        if name.endswith("norm.weight"):
+            p.requires_grad_(True)
+    with ck.CheckpointStore(drive, local_dir=local) as store:
+        with pytest.raises(ck.ResumeMismatchError, match="adapter was trained on another base model"):
+            store.restore_latest(model=norms_too)
+
+
+def test_a_base_in_another_half_precision_is_named_as_such(drive, local):
+    model = adapter_model().to(torch.bfloat16)
+    with ck.CheckpointStore(drive, local_dir=local) as store:
+        store.save(1, model=model)
+    with ck.CheckpointStore(drive, local_dir=local) as store:
+        with pytest.raises(ck.ResumeMismatchError, match="in bfloat16, and this one is in float16.*dtype=torch.bfloat16"):
+            store.restore_latest(model=adapter_model().to(torch.float16))

@@ -113,10 +113,13 @@ def test_lora_4_bit_config_is_nf4_with_double_quantization_in_the_gpus_compute_d
     ({"block_size": 4}, r"BLOCK_SIZE=4: give the tokens per training example, a whole number >= 8, or None \(64\)"),
     ({"epochs": 1.5}, r"EPOCHS=1.5: give a whole number of epochs >= 1, or None \(3\)"),
     ({"quantize": "8bit"}, "QUANTIZE='8bit': use 'auto', '4bit', 'none'"),
-    ({"quantize": "4bit"}, "QUANTIZE='4bit' needs a GPU and bitsandbytes .*QUANTIZE='auto' falls back to 16-bit LoRA"),
+    ({"quantize": "4bit"}, "QUANTIZE='4bit' is for the full preset's pre-trained model.*use QUANTIZE='auto'"),
+    ({"quantize": "4bit", "preset": "full", "allow_cpu": True},
+     "QUANTIZE='4bit' needs a GPU and bitsandbytes .*QUANTIZE='auto' falls back to 16-bit LoRA"),
 ])
 def test_lora_parameters_that_cannot_work_say_what_to_use(kwargs, message):
     from colab_kit import lora
 
+    kwargs = {"preset": "quick", **kwargs}
     with pytest.raises(ValueError, match=message):
-        lora.resolve_settings("quick", gpu=None, has_bitsandbytes=False, **kwargs)
+        lora.resolve_settings(kwargs.pop("preset"), gpu=None, has_bitsandbytes=False, **kwargs)
