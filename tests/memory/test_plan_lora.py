@@ -68,7 +68,8 @@ def test_a_lora_step_is_planned_within_ten_percent_of_a_measured_one(kind, rank,
 
 
 needs_bitsandbytes = pytest.mark.skipif(not ck.lora.bitsandbytes_runs(),
-                                        reason="bitsandbytes is not installed (requirements-test.txt has it)")
+                                        reason="bitsandbytes is not installed: .ci/qlora runs this with it "
+                                               "(pip install -r requirements-qlora-test.txt)")
 
 
 @needs_bitsandbytes

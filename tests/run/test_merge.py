@@ -103,7 +103,8 @@ def test_a_4_bit_model_is_merged_onto_its_base_read_again_at_16_bits(drive, loca
     from transformers import AutoModelForCausalLM
 
     if not lora.bitsandbytes_runs():
-        pytest.skip("bitsandbytes is not installed (requirements-test.txt has it)")
+        pytest.skip("bitsandbytes is not installed: .ci/qlora runs this with it (pip install -r "
+                    "requirements-qlora-test.txt)")
     model = qlora(tiny_llama_files, 4, False)
     with torch.no_grad():
         for name, p in model.named_parameters():
