@@ -53,8 +53,8 @@ def dpo_trainer(run, callbacks=None):
                       callbacks=callbacks)
 
 
-@pytest.mark.parametrize("crash_at", [7, 13])
-def test_dpo_on_an_adapter_crashed_and_resumed_ends_with_the_uninterrupted_adapter(drive, local, crash_at):
+def test_dpo_on_an_adapter_crashed_and_resumed_ends_with_the_uninterrupted_adapter(drive, local):
+    crash_at = 13  # after checkpoint-10, before checkpoint-15
     whole, _ = trained(drive, local, "whole", dpo_trainer)
     again, resumed = trained(drive, local, "again", dpo_trainer, crash_at=crash_at)
     assert resumed == (crash_at // 5) * 5 and again.state.global_step == 16
