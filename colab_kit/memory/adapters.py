@@ -5,7 +5,7 @@ packed bytes), what merging the adapter into a 16-bit copy of the base costs in 
 
 from __future__ import annotations
 
-__all__ = ["is_adapter_model", "base_elements", "export_dtype", "merged_bytes", "trainable_state", "base_fingerprint"]
+__all__ = ["is_adapter_model", "has_four_bit_weights", "base_elements", "export_dtype", "merged_bytes", "trainable_state", "base_fingerprint"]
 
 
 def is_adapter_model(model) -> bool:
@@ -22,6 +22,11 @@ def _elements(module_or_param) -> int:
             n *= int(size)
         return n
     return module_or_param.numel()
+
+
+def has_four_bit_weights(model) -> bool:
+    """Are some of the base's weights bitsandbytes 4-bit ones (each with its quantization state)?"""
+    return any(getattr(p, "quant_state", None) is not None for p in model.parameters())
 
 
 def base_elements(model) -> int:

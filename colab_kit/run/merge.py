@@ -17,7 +17,7 @@ from pathlib import Path
 
 from .._units import format_bytes
 from ..errors import ColabKitError
-from ..memory.adapters import export_dtype, merged_bytes
+from ..memory.adapters import has_four_bit_weights, merged_bytes
 
 __all__ = ["available_ram", "check_host_ram", "save_merged", "MERGED"]
 
@@ -47,7 +47,7 @@ def check_host_ram(model, available: int | None = None) -> int:
     """
     need = merged_bytes(model)
     available = available_ram() if available is None else available
-    copies = 2 if _on_gpu(model) and not _quantized(model) else 1  # the model itself comes to the CPU too
+    copies = 2 if _on_gpu(model) and not has_four_bit_weights(model) else 1  # the model itself comes to the CPU too
     wanted = int(copies * need * _MARGIN) + _SPARE
     if available < wanted:
         raise ColabKitError(
@@ -74,10 +74,6 @@ def save_merged(model, folder: Path, adapter_dir: Path) -> int:
     return need
 
 
-def _quantized(model) -> bool:
-    return any(getattr(p, "quant_state", None) is not None for p in model.get_base_model().parameters())
-
-
 def _on_gpu(model) -> bool:
     return any(p.device.type != "cpu" for p in model.parameters())
 
@@ -86,7 +82,7 @@ def _merged_copy(model, adapter_dir: Path):
     """The merged model on the CPU, leaving `model` as it was (where it was)."""
     import torch
 
-    if not _quantized(model):
+    if not has_four_bit_weights(model):
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         try:  # host RAM was checked for the copy; the GPU is not asked for a second model
             return copy.deepcopy(model.to("cpu")).merge_and_unload()
