@@ -129,7 +129,7 @@ def killed_then_run_to_the_end(notebook, workdir, run_name, *params) -> tuple[Pa
     return run_dir, summary
 
 
-@pytest.mark.slow(70)
+@pytest.mark.slow(65)
 def test_rna_quick_preset_killed_after_a_durable_checkpoint_resumes_and_learns(tmp_path):
     run_dir, summary = killed_then_run_to_the_end(RNA, tmp_path, "rna-bert")
     assert summary["metrics"]["test"]["accuracy"] >= 0.9
@@ -138,7 +138,7 @@ def test_rna_quick_preset_killed_after_a_durable_checkpoint_resumes_and_learns(t
     assert [e["event"] for e in events(run_dir)][0] == "start" and any(e["event"] == "finish" for e in events(run_dir))
 
 
-@pytest.mark.slow
+@pytest.mark.slow(55)
 def test_rna_notebook_pretrains_the_scratch_model_in_its_own_run_then_fine_tunes(tmp_path):
     from colab_kit.checkpoints.validity import verify_folder
 
@@ -174,7 +174,7 @@ def test_rna_notebook_stops_on_a_bad_file_with_its_message(tmp_path):
 GPT2 = ROOT / "notebooks" / "distilgpt2_finetune.ipynb"
 
 
-@pytest.mark.slow(60)
+@pytest.mark.slow(90)
 def test_gpt2_quick_preset_killed_after_a_durable_checkpoint_resumes_and_lowers_perplexity(tmp_path):
     _, metrics = killed_then_run_to_the_end(GPT2, tmp_path, "distilgpt2-wikitext")
     assert metrics["perplexity_after"] < metrics["perplexity_before"] / 5
@@ -186,7 +186,7 @@ def test_gpt2_quick_preset_killed_after_a_durable_checkpoint_resumes_and_lowers_
 LORA = ROOT / "notebooks" / "lora_finetune.ipynb"
 
 
-@pytest.mark.slow(60)
+@pytest.mark.slow(90)
 def test_lora_quick_preset_killed_after_a_durable_checkpoint_resumes_learns_and_exports_adapter_and_merged(tmp_path):
     import torch
     from peft import PeftModel
