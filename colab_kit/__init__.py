@@ -31,7 +31,7 @@ from .run.run import Run
 from .run.start import start_run
 from .run.store import CheckpointStore
 from .runtime import KIT_VERSION as __version__  # noqa: F401
-from .runtime import detect_runtime, in_colab, in_notebook
+from .runtime import detect_runtime, in_colab, in_kaggle, in_notebook
 from .tasks import lora, rna, text, versions
 
 # Module paths that notebooks saved before the kit had subpackages import (`from colab_kit.versions
@@ -62,6 +62,7 @@ __all__ = [
     "read_events",
     "detect_runtime",
     "in_colab",
+    "in_kaggle",
     "in_notebook",
     "ColabKitError",
     "ColabKitWarning",

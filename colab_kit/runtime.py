@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ._units import format_bytes
 
-__all__ = ["KIT_VERSION", "GpuInfo", "RuntimeInfo", "in_colab", "in_notebook", "gpu_info", "host_ram_limit", "detect_runtime",
+__all__ = ["KIT_VERSION", "GpuInfo", "RuntimeInfo", "in_colab", "in_kaggle", "in_notebook", "gpu_info", "host_ram_limit", "detect_runtime",
            "require_gpu", "library_versions"]
 
 
@@ -55,9 +55,10 @@ class RuntimeInfo:
     notebook: bool
     gpu: GpuInfo | None
     ram_limit_bytes: int | None
+    kaggle: bool = False
 
     def describe(self) -> str:
-        where = "Google Colab" if self.colab else "local machine"
+        where = "Google Colab" if self.colab else "Kaggle" if self.kaggle else "local machine"
         where += ", notebook" if self.notebook else ", script"
         if self.gpu is None:
             gpu = "none (CPU only)"
@@ -72,6 +73,12 @@ def in_colab() -> bool:
     """True inside a Google Colab runtime."""
     # Colab's kernel imports google.colab at start and sets COLAB_RELEASE_TAG; either is enough.
     return "google.colab" in sys.modules or bool(os.environ.get("COLAB_RELEASE_TAG"))
+
+
+def in_kaggle() -> bool:
+    """True inside a Kaggle notebook (interactive or a committed "Save Version" run)."""
+    # Kaggle sets KAGGLE_KERNEL_RUN_TYPE ("Interactive" or "Batch") in every kernel it starts.
+    return bool(os.environ.get("KAGGLE_KERNEL_RUN_TYPE"))
 
 
 def in_notebook() -> bool:
@@ -222,7 +229,7 @@ def host_ram_limit(meminfo: Path = Path("/proc/meminfo"),
 def detect_runtime() -> RuntimeInfo:
     """Everything above in one snapshot."""
     return RuntimeInfo(colab=in_colab(), notebook=in_notebook(), gpu=gpu_info(),
-                       ram_limit_bytes=host_ram_limit())
+                       ram_limit_bytes=host_ram_limit(), kaggle=in_kaggle())
 
 
 def require_gpu(what: str, *, allow_cpu: bool = False, cpu_time: str = "", gpu: GpuInfo | None = None) -> None:

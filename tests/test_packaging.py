@@ -55,7 +55,7 @@ def test_repository_url_is_kept_in_one_place_and_used_by_the_readme():
 def test_public_api_is_exactly_the_exported_names():
     expected = {
         "start_run", "Run", "CheckpointStore", "drive_check", "is_oom_error", "free_memory", "MicroBatcher", "OutOfMemoryError",
-        "Gauges", "plot_history", "memory_args", "preflight", "read_events", "detect_runtime", "in_colab", "in_notebook",
+        "Gauges", "plot_history", "memory_args", "preflight", "read_events", "detect_runtime", "in_colab", "in_kaggle", "in_notebook",
         "ColabKitError", "ColabKitWarning", "DriveError", "LeaseHeldError", "LeaseLostError", "ResumeMismatchError",
         "CheckpointError", "RankFailedError", "DriveApi", "plan_memory", "MemoryPlan",
     }

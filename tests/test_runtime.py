@@ -1,6 +1,7 @@
 """Runtime detection with faked NVML, cgroup files and Colab."""
 
 import sys
+from pathlib import Path
 import types
 
 import pytest
@@ -98,6 +99,25 @@ def test_in_colab_follows_the_google_colab_module(fake_colab, monkeypatch):
     monkeypatch.delitem(sys.modules, "google.colab")
     monkeypatch.delenv("COLAB_RELEASE_TAG", raising=False)
     assert not runtime.in_colab()
+
+
+def test_kaggle_is_recognised_and_its_runs_say_where_their_folder_survives(monkeypatch, tmp_path, capsys):
+    import colab_kit as ck
+    from colab_kit.run import start as start_module
+
+    monkeypatch.delenv("KAGGLE_KERNEL_RUN_TYPE", raising=False)
+    assert not runtime.in_kaggle() and not runtime.detect_runtime().kaggle
+    monkeypatch.setenv("KAGGLE_KERNEL_RUN_TYPE", "Interactive")  # set by Kaggle in every kernel it starts
+    info = runtime.detect_runtime()
+    assert info.kaggle and not info.colab and "runtime: Kaggle" in info.describe()
+    # The fast scratch goes to Kaggle's big /tmp, not to /kaggle/working (19.5 GB, all of it saved with a version).
+    assert start_module._default_local_dir("r") == Path("/tmp/colab_kit_local/r")
+    run = ck.start_run("r", drive=tmp_path / "drive", local_dir=tmp_path / "local", gauges=False)
+    try:
+        said = capsys.readouterr().out
+        assert "runtime: Kaggle" in said and "there is no Google Drive here" in said and "Save Version" in said
+    finally:
+        run.finish(timeout=10)
 
 
 def test_not_in_notebook_under_pytest():

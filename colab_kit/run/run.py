@@ -298,27 +298,31 @@ class Run:
             if isinstance(cb, GaugesCallback):
                 cb.close(error=error)
 
-    def finish(self, timeout: float | None = 300, status: str = "finished", flush: bool = False) -> dict:
+    def finish(self, timeout: float | None = 300, status: str = "finished", flush: bool = False,
+               release_runtime: bool = False) -> dict:
         """Wait until the last checkpoint and `final/` are in the cloud, then release the run folder.
 
-        Waits up to `timeout` seconds in all, with a countdown: first for checkpoints still being
-        written to the persistent folder, then for Drive to upload them. When the writing cannot
-        finish (Drive down) the run stays open: call `finish()` again to keep waiting. When what is
-        written is not in the cloud by then, the run still finishes (the upload is Drive's to do)
-        and says plainly what is not in the cloud; calling `finish()` again waits for it again.
+        Waits up to `timeout` seconds in all, with a countdown: for checkpoints still being written to
+        the persistent folder, then for Drive to upload them. When the writing cannot finish (Drive
+        down) the run stays open: call `finish()` again to keep waiting. What is written but not in the
+        cloud by then is said plainly (the run finishes; `finish()` again waits for it again).
 
         Args:
             timeout: seconds to wait in all (None: no limit).
             status: recorded in the `finish` event.
-            flush: afterwards call Colab's `drive.flush_and_unmount()`, which pushes Drive's cache
-                to the cloud and UNMOUNTS Drive (Colab offers no flush that keeps it mounted).
+            flush: then Colab's `drive.flush_and_unmount()`: pushes Drive's cache and UNMOUNTS Drive.
+            release_runtime: then give the Colab runtime back, only if everything is confirmed in the cloud
+                (else it is kept, saying why: `run/release.py`).
 
         Returns:
             `status()` plus "status", "synced" (all written) and "in_cloud" (all confirmed).
         """
         from .finish import finish_run
-
-        return finish_run(self, timeout, status, flush=flush, cloud_wait=True)
+        from .release import release_runtime as release
+        summary = finish_run(self, timeout, status, flush=flush, cloud_wait=True)
+        if release_runtime:
+            release(self, summary)
+        return summary
 
     def _require_own_process(self, what: str) -> None:
         if os.getpid() != self._pid:
@@ -344,5 +348,3 @@ class Run:
 
     def __repr__(self) -> str:
         return f"Run({self.name!r}, drive_dir={str(self.drive_dir)!r}, resume_from={self.resume_from})"
-
-

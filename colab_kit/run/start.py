@@ -31,7 +31,7 @@ from ..drive.lease import Lease
 from ..drive.mount import resolve_root
 from ..drive.retention import Ladder
 from ..errors import DriveError
-from ..runtime import detect_runtime, in_colab, library_versions
+from ..runtime import detect_runtime, in_colab, in_kaggle, library_versions
 from .drift import describe_drift, drift
 from .find import RESUME_MODES, fetch_best_of, find_resume, kit_state, set_aside_newer
 from .fresh import archive_checkpoints
@@ -50,9 +50,12 @@ _PRUNE_AFTER = "cloud"
 
 
 def _default_local_dir(name: str) -> Path:
-    # In Colab /content is the fast VM disk (wiped on disconnect); elsewhere a folder beside
+    # In Colab /content is the fast VM disk (wiped on disconnect); on Kaggle /tmp is the big scratch disk
+    # (/kaggle/working holds 19.5 GB, and all of it goes into a saved version); elsewhere a folder beside
     # ./drive, so a restart on the same machine can still resume from local checkpoints.
-    return Path("/content/colab_kit_local" if in_colab() else "scratch").absolute() / name
+    if in_colab():
+        return Path("/content/colab_kit_local") / name
+    return Path("/tmp/colab_kit_local" if in_kaggle() else "scratch").absolute() / name
 
 
 def _parse_save_every(save_every) -> tuple[float | None, int | None]:

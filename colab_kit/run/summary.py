@@ -9,7 +9,7 @@ from pathlib import Path
 
 from .._units import format_age, format_bytes
 from ..checkpoints.search import Found
-from ..drive.drivefs import UNCONFIRMED, describe_kind
+from ..drive.drivefs import PLAIN, UNCONFIRMED, describe_kind
 
 __all__ = ["summary", "stopped_claiming", "stopped_opening"]
 
@@ -31,6 +31,9 @@ def summary(run, found: Found | None, replaced, because: str | None, archived: P
                      f"checkpoints are never called in the cloud" + (
                          ". To confirm uploads and prune by keep instead: ck.start_run(..., confirm='api')"
                          if run.on_drive else ""))
+    if run.runtime.kaggle and not run.on_drive and run.durability == PLAIN:
+        lines.append("  Kaggle: there is no Google Drive here, so the persistent folder is on this session's disk: it "
+                     "outlives the session only through Save Version (its output), not a restart or a timeout")
     if replaced is not None:
         lines.append(f"  took over the run folder from host {replaced.host}, pid {replaced.pid}"
                      + (f": {because}" if because else ""))
