@@ -35,7 +35,7 @@ from .._units import format_age
 from ..checkpoints import looks, storage
 from ..errors import LeaseHeldError
 from .gate import act
-from .leasefile import LEASE, STALE_AFTER_BEATS, LeaseInfo, lease_staleness, process_start, read_lease
+from ..checkpoints.leasefile import LEASE, STALE_AFTER_BEATS, LeaseInfo, lease_staleness, process_start, read_lease
 
 __all__ = ["LEASE", "LeaseInfo", "Lease", "read_lease", "lease_staleness"]  # the first, last two: leasefile.py
 

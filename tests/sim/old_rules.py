@@ -19,7 +19,7 @@ from colab_kit.checkpoints.journal import EVENTS, read_history
 from colab_kit.drive import lease as lease_module, retention
 from colab_kit.drive.gate import CheckpointGate, choose
 from colab_kit.drive.lease import Lease
-from colab_kit.drive.leasefile import STALE_AFTER_BEATS
+from colab_kit.checkpoints.leasefile import STALE_AFTER_BEATS
 from colab_kit.drive.mirror import Mirror
 from colab_kit.run import find, storefind
 

@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Callable
 
 from .._units import format_age
-from ..checkpoints import storage
-from ..checkpoints.clock import clock
+from . import storage
+from .clock import clock
 
 __all__ = ["LEASE", "STALE_AFTER_BEATS", "LeaseInfo", "read_lease", "lease_staleness", "process_start"]
 

@@ -1,0 +1,298 @@
+"""One writer per run on the Hub: the lease is a file in the run's folder, and every commit is fenced by it.
+
+Drive has no compare-and-swap, so a runtime taken over there learns of it only at its next heartbeat
+(`drive/lease.py`). The Hub has one: a commit made with `parent_commit` lands only on that head. So here
+every commit of a run (checkpoints, the journal, deletions, heartbeats) is made through `HubLease.commit`,
+on the head at which this runtime last saw the lease as its own, and carries the lease with a fresh
+heartbeat. When the head has moved, the lease is read at the new head: still this runtime's (another run
+of the same repo committed), the commit is made again on it; another runtime's, the lease is lost and
+nothing more is written. A runtime taken over can therefore never commit after the takeover, not even a
+commit already on its way: the Hub refuses it.
+
+Whether another host's runtime lives shows only by watching its heartbeat change (its clock is not this
+one): its lease is watched for 1.5 of its heartbeats, as on Drive. A read that fails is unknown: it never
+makes a takeover, a claim or a loss.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import uuid
+from dataclasses import asdict
+from typing import Callable
+
+from .._units import format_age
+from ..checkpoints.clock import clock
+from ..checkpoints.leasefile import LEASE, LeaseInfo, lease_staleness, process_start
+from ..errors import LeaseHeldError
+from .repo import HeadMoved, HubRepo, HubUnavailable
+
+__all__ = ["HubLease", "LeaseLost", "HUB_HEARTBEAT_S"]
+
+log = logging.getLogger(__name__)
+# Every commit renews the lease, and a repo takes about 128 commits an hour (the Hub's answer beyond that:
+# "You have exceeded the rate limit for repository commits (128 per hour)"); a heartbeat commit every 2
+# minutes when nothing else was committed costs at most 30 of them.
+HUB_HEARTBEAT_S = 120.0
+WATCH_BEATS = 1.5
+_MOVES = 8  # heads moved by other runs of the repo, in a row, before a commit gives up for now
+
+
+class LeaseLost(Exception):
+    """The run's lease is another runtime's: this one writes nothing more to the run."""
+
+    def __init__(self, holder: LeaseInfo | None):
+        super().__init__(f"the run was taken over by host {holder.host if holder else 'unknown'}")
+        self.holder = holder
+
+
+class HubLease:
+    """This runtime's claim on a run folder in a Hub repo (see the module docstring).
+
+    Args:
+        repo: the `HubRepo`.
+        folder: the run's folder in the repo (`address.path(name)`).
+        heartbeat_s: the longest time between two commits of this runtime (a heartbeat commit fills the gap).
+    """
+
+    def __init__(self, repo: HubRepo, folder: str, heartbeat_s: float = HUB_HEARTBEAT_S, *, host: str | None = None,
+                 pid: int | None = None, process_start: Callable[[int], float | None] = process_start):
+        self.repo, self.folder, self.heartbeat_s = repo, folder, heartbeat_s
+        self.path = f"{folder}/{LEASE}" if folder else LEASE
+        pid = os.getpid() if pid is None else pid
+        self._process_start = process_start
+        self.info = LeaseInfo(host=host or socket.gethostname(), pid=pid, pid_start=process_start(pid),
+                              session=uuid.uuid4().hex, started=clock.time(), heartbeat=clock.time(),
+                              heartbeat_s=heartbeat_s)
+        self.head: str | None = None  # the newest head at which the lease was seen to be this runtime's
+        self.lost = False
+        self.holder: LeaseInfo | None = None  # who holds it, once lost
+        self.took_over_because: str | None = None
+        self.watched_s = 0.0
+        self.watching: LeaseInfo | None = None
+        self.committed_at = clock.monotonic()
+        self._lock = threading.Lock()  # one commit at a time: the heartbeat thread and the uploader
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- claiming ---------------------------------------------------------------------------------------
+    def acquire(self, takeover: bool = False, run_name: str = "NAME",
+                on_watch: Callable[[LeaseInfo, float], None] | None = None) -> LeaseInfo | None:
+        """Claim the run; returns the lease that was replaced, if any (`took_over_because` says why).
+
+        Raises:
+            LeaseHeldError: a live lease of another runtime, or one that cannot be read, unless `takeover`.
+        """
+        self.took_over_because, self.watched_s = None, 0.0
+        head, previous = self._read_or_refuse(run_name, takeover)
+        if previous is not None and not takeover and not self._free(previous):
+            if previous.host == self.info.host:
+                raise self._held(previous, run_name)
+            started, self.watching = clock.monotonic(), previous
+            try:
+                head = self._watch(previous, on_watch, run_name)
+            finally:
+                self.watched_s, self.watching = clock.monotonic() - started, None
+        self.head = head
+        for _ in range(_MOVES):
+            try:
+                self._commit_lease(f"colab_kit: {run_name} claimed by {self.info.host}")
+                break
+            except HeadMoved as moved:  # someone committed since the lease was read: is it still what was judged?
+                now = None if takeover else self._lease_at(moved.head, run_name)
+                if not takeover and (now is None) != (previous is None) or now is not None and (
+                        now.session, now.heartbeat, now.released) != (previous.session, previous.heartbeat,
+                                                                       previous.released):
+                    raise LeaseHeldError(f"another runtime claimed {self.repo.address}/{self.folder} at the same "
+                                         f"moment; run ck.start_run({run_name!r}) again in a minute") from None
+                self.head = moved.head
+        else:
+            raise LeaseHeldError(f"the Hub repo {self.repo.address} moved on {_MOVES} times while this runtime "
+                                 f"claimed {self.folder}: run the cell again in a minute")
+        taken = previous is not None and previous.session != self.info.session and not previous.released
+        if taken and self.took_over_because is None:
+            self.took_over_because = "asked for (takeover=True)" if takeover else "it was stale"
+        return previous if taken else None
+
+    def quiet_left(self) -> float:
+        """0: a runtime taken over cannot commit after the takeover (the Hub refuses its stale parent)."""
+        return 0.0
+
+    def _free(self, previous: LeaseInfo) -> bool:
+        """Is `previous` free to take without watching: this session's, released, or a dead process here?"""
+        if previous.session == self.info.session or previous.released:
+            return True
+        if previous.host != self.info.host:
+            return False
+        stale = lease_staleness(previous, host=self.info.host, process_start=self._process_start)
+        self.took_over_because = stale
+        return stale is not None
+
+    def _read_or_refuse(self, run_name: str, takeover: bool) -> tuple[str, LeaseInfo | None]:
+        try:
+            head = self.repo.head()
+            return head, self._lease_at(head, run_name)
+        except LeaseHeldError:
+            if not takeover:
+                raise
+            return self.repo.head(), None
+        except HubUnavailable as exc:
+            raise LeaseHeldError(f"cannot read the lease of {self.repo.address}/{self.folder} ({exc}), so whether "
+                                 f"another runtime writes this run is unknown: nothing was taken over. Run this "
+                                 f"cell again in a minute") from exc
+
+    def _lease_at(self, head: str, run_name: str) -> LeaseInfo | None:
+        raw = self.repo.read(self.path, revision=head)
+        if raw is None:
+            return None
+        try:
+            obj = json.loads(raw)
+            return LeaseInfo(**{k: obj[k] for k in LeaseInfo.__dataclass_fields__ if k in obj})
+        except (ValueError, KeyError, TypeError):
+            raise LeaseHeldError(f"{self.path} in {self.repo.address} holds no lease that can be read, so whether "
+                                 f"another runtime writes this run is unknown. If none does: "
+                                 f"ck.start_run({run_name!r}, ..., takeover=True)") from None
+
+    def _watch(self, previous: LeaseInfo, on_watch, run_name: str) -> str:
+        """Watch another host's lease for `WATCH_BEATS` of its heartbeats; returns the head at which it was seen
+        unchanged at the end (dead), or raises `LeaseHeldError` (it changed: alive; or it could not be read)."""
+        window = WATCH_BEATS * previous.heartbeat_s
+        deadline = clock.monotonic() + window
+        give_up = deadline + max(30.0, 2 * window)
+        while True:
+            left = deadline - clock.monotonic()
+            if on_watch is not None and left > 0:
+                on_watch(previous, left)
+            clock.sleep(min(max(left, 0.2), max(0.2, min(5.0, previous.heartbeat_s / 10))))
+            try:
+                head = self.repo.head()
+                current = self._lease_at(head, run_name)
+            except (HubUnavailable, LeaseHeldError):
+                current = False  # unknown: neither alive nor dead
+            if current is not False:
+                if current is None or current.session != previous.session or current.heartbeat != previous.heartbeat:
+                    if current is not None and current.session == previous.session and current.released:
+                        self.took_over_because = "it was released while this runtime watched it"
+                        return head
+                    raise self._held(previous, run_name)  # it moved: alive (or a third runtime claimed it)
+                if clock.monotonic() >= deadline:
+                    self.took_over_because = f"its heartbeat did not advance in {format_age(window)}"
+                    return head
+            elif clock.monotonic() >= give_up:
+                raise LeaseHeldError(f"the lease of {self.repo.address}/{self.folder} (host {previous.host}) could "
+                                     f"not be read again to see whether its heartbeat advances, so it was not taken "
+                                     f"over. Run this cell again; if that runtime is gone: "
+                                     f"ck.start_run({run_name!r}, takeover=True)")
+
+    def _held(self, previous: LeaseInfo, run_name: str) -> LeaseHeldError:
+        return LeaseHeldError(
+            f"run {self.repo.address}/{self.folder} is in use by another runtime (host {previous.host}, pid "
+            f"{previous.pid}): its heartbeat advanced while this runtime watched it, or its process lives on this "
+            f"host. Two writers would overwrite each other's checkpoints. Stop it (in its tab: Runtime -> "
+            f"Disconnect and delete runtime), or take over now: ck.start_run({run_name!r}, ..., takeover=True)")
+
+    # -- writing, fenced ---------------------------------------------------------------------------------
+    def commit(self, message: str, *, add: dict | None = None, delete: list[str] = ()) -> str:
+        """Commit `add` and `delete` (paths in the repo) with the lease renewed, on a head where the lease is
+        this runtime's. Returns the new head.
+
+        Raises:
+            LeaseLost: another runtime holds the lease (nothing was committed, and nothing more will be).
+            HubUnavailable: the Hub did not answer, or the lease could not be read at a moved head (unknown).
+        """
+        with self._lock:
+            for _ in range(_MOVES):
+                if self.lost:
+                    raise LeaseLost(None)
+                try:
+                    return self._commit_lease(message, add=add, delete=delete)
+                except HeadMoved as moved:
+                    held = self._held_at(moved.head)
+                    if held is None:
+                        raise HubUnavailable(f"the lease of {self.folder} could not be read at the Hub's new head "
+                                             f"{moved.head}: not committed now") from None
+            raise HubUnavailable(f"the Hub repo {self.repo.address} moved on {_MOVES} times in a row: not committed now")
+
+    def _commit_lease(self, message: str, add: dict | None = None, delete: list[str] = ()) -> str:
+        self.info.heartbeat = clock.time()
+        files = dict(add or {})
+        files[self.path] = json.dumps(asdict(self.info)).encode()
+        self.head = self.repo.commit(message, parent=self.head, add=files, delete=list(delete))
+        self.committed_at = clock.monotonic()
+        return self.head
+
+    def _held_at(self, head: str | None) -> bool | None:
+        """Is the lease this runtime's at `head` (then it becomes the parent of the next commit)? False makes
+        the lease lost; None is unknown."""
+        try:
+            head = head or self.repo.head()
+            current = self._lease_at(head, "NAME")
+        except (HubUnavailable, LeaseHeldError):
+            return None
+        if current is None:
+            return None  # a lease missing from one read is not a loss
+        if current.session != self.info.session:
+            self.lost, self.holder = True, current
+            raise LeaseLost(current)
+        self.head = head
+        return True
+
+    def check(self) -> bool | None:
+        """Is the lease still this runtime's? True, False (lost), or None (unknown now)."""
+        if self.lost:
+            return False
+        try:
+            head = self.repo.head()
+        except HubUnavailable:
+            return None
+        if head == self.head:
+            return True
+        try:
+            return self._held_at(head)
+        except LeaseLost:
+            return False
+
+    # -- heartbeat and release ---------------------------------------------------------------------------
+    def step(self, on_lost: Callable[[LeaseInfo | None], None], on_error: Callable[[OSError], None] | None = None) -> bool:
+        """One heartbeat: a commit of the lease alone when no other commit renewed it for `heartbeat_s`.
+        Returns False once the lease is lost (`on_lost` called with the holder), True otherwise."""
+        if clock.monotonic() - self.committed_at < self.heartbeat_s:
+            return not self.lost
+        try:
+            self.commit("colab_kit: heartbeat")
+        except LeaseLost as exc:
+            on_lost(exc.holder)
+            return False
+        except HubUnavailable as exc:  # unknown is not lost: the next beat tries again
+            log.debug("lease heartbeat failed: %s", exc)
+            if on_error:
+                on_error(exc)
+        return True
+
+    def start_heartbeat(self, on_lost: Callable[[LeaseInfo | None], None],
+                        on_error: Callable[[OSError], None] | None = None) -> None:
+        def loop():
+            while not self._stop.wait(min(30.0, self.heartbeat_s / 4)):
+                if not self.step(on_lost, on_error):
+                    return
+
+        self._thread = threading.Thread(target=loop, name="colab_kit-hub-lease", daemon=True)
+        self._thread.start()
+
+    def release(self) -> None:
+        """Stop the heartbeat and commit the lease released, if it is still this runtime's."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        if self.lost:
+            return
+        self.info.released = True
+        try:
+            self.commit("colab_kit: lease released")
+        except (LeaseLost, HubUnavailable) as exc:
+            log.warning("could not release the lease of %s: %s (another runtime takes it after watching it)",
+                        self.folder, exc)

@@ -1,0 +1,245 @@
+"""One Hub repo, through the real `huggingface_hub` client, with the answers the durability core needs.
+
+Every write is a commit made with `parent_commit` (the Hub's compare-and-swap): it lands only on the head
+it was prepared on, so a runtime that checked its lease at that head knows no other runtime took the run
+over in between (`lease.py`). What a flaky network makes of a commit is sorted out here:
+
+- 429 (rate limit) and 5xx: backed off (Retry-After when the Hub gives one) and tried again;
+- an answer that never came (a timeout, a dropped connection, a 5xx after the Hub did the work): the
+  commit may have landed. Each commit carries a unique mark in its description, so the history since its
+  parent is read for the mark: found, the commit is taken as made (never made twice); not found and the head
+  unmoved, it is tried again; the head moved, `HeadMoved` (the caller checks its lease at the new head);
+- 412 (the head moved before the commit): `HeadMoved`, also after looking for the mark (the timed-out
+  first try may be the commit that moved it).
+
+A read that fails is *unknown* (`HubUnavailable`, an OSError, as Drive trouble is): it costs time, never a
+deletion or a claim. Files missing from a listing are not taken for absent here either; `verify.py` says
+only what a listing proves.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..checkpoints.clock import Late, clock
+from .address import HubAddress
+
+__all__ = ["HubRepo", "HubFile", "HeadMoved", "HubUnavailable", "MARK"]
+
+log = logging.getLogger(__name__)
+MARK = "colab_kit-commit:"  # then a unique id, in every commit's description
+_TRANSIENT = (429, 500, 502, 503, 504)
+
+
+class HubUnavailable(OSError):
+    """The Hub did not answer (or answered 429/5xx) after the retries: unknown, try again later."""
+
+
+class HeadMoved(Exception):
+    """The branch's head is not the commit this one was prepared on: another writer committed first."""
+
+    def __init__(self, head: str | None):
+        super().__init__(f"the Hub repo's head moved to {head}")
+        self.head = head
+
+
+@dataclass(frozen=True)
+class HubFile:
+    """One file as a tree listing shows it: `sha256` is the LFS object's (the content's own hash), None for a
+    file kept in git."""
+
+    path: str
+    size: int
+    sha256: str | None
+    blob_id: str
+
+
+def _status(exc: BaseException) -> int | None:
+    response = getattr(exc, "response", None)
+    return getattr(response, "status_code", None)
+
+
+def _retry_after(exc: BaseException) -> float | None:
+    headers = getattr(getattr(exc, "response", None), "headers", None) or {}
+    try:
+        return float(headers.get("Retry-After"))
+    except (TypeError, ValueError):
+        return None
+
+
+def _size(src) -> int:
+    return len(src) if isinstance(src, (bytes, bytearray)) else Path(src).stat().st_size
+
+
+def _no_answer(exc: BaseException) -> bool:
+    """A request whose outcome is unknown: no answer came, or a 5xx/429 did."""
+    status = _status(exc)
+    if status is not None:
+        return status in _TRANSIENT
+    return isinstance(exc, (OSError, TimeoutError)) or type(exc).__module__.split(".")[0] in ("httpx", "httpx2",
+                                                                                              "requests", "urllib3")
+
+
+class HubRepo:
+    """A repo of the Hub, read and written for one runtime.
+
+    Args:
+        address: the store's `HubAddress`.
+        token: a token with write access (`token.find_token`, on the main thread).
+        endpoint: the Hub's address (the tests' emulated Hub; default huggingface.co or $HF_ENDPOINT).
+        waits: the pauses between tries of one call (then `HubUnavailable`).
+        commit_wait: (seconds, bytes per second): a commit's answer is waited for that long plus its bytes at
+            that rate (its LFS uploads happen inside it), then taken for lost (the client itself waits forever).
+    """
+
+    def __init__(self, address: HubAddress, token: str, *, endpoint: str | None = None,
+                 waits: tuple[float, ...] = (1.0, 2.0, 4.0, 8.0), commit_wait: tuple[float, float] = (60.0, 1e6)):
+        from huggingface_hub import HfApi
+
+        self.address, self.waits, self.commit_wait = address, waits, commit_wait
+        self.api = HfApi(endpoint=endpoint, token=token)
+
+    # -- reads -------------------------------------------------------------------------------------------
+    def create(self) -> None:
+        """Make the repo (private) unless it exists."""
+        self._patiently(lambda: self.api.create_repo(self.address.repo_id, repo_type=self.address.repo_type,
+                                                     private=True, exist_ok=True), "create the repo")
+
+    def head(self) -> str:
+        """The commit at the top of `main`."""
+        info = self._patiently(lambda: self.api.repo_info(self.address.repo_id, repo_type=self.address.repo_type),
+                               "read the repo's head")
+        return info.sha
+
+    def listing(self, folder: str, revision: str | None = None) -> dict[str, HubFile]:
+        """Every file under `folder` at `revision` (default: the head), by path in the repo. Nothing for a folder
+        that does not exist at that revision (the Hub answers 404 for it)."""
+        from huggingface_hub.errors import RemoteEntryNotFoundError as EntryNotFoundError
+
+        def read():
+            try:
+                entries = list(self.api.list_repo_tree(self.address.repo_id, path_in_repo=folder or None,
+                                                       recursive=True, revision=revision,
+                                                       repo_type=self.address.repo_type))
+            except EntryNotFoundError:
+                return {}
+            return {e.path: HubFile(e.path, int(e.size), e.lfs.sha256 if e.lfs else None, e.blob_id)
+                    for e in entries if hasattr(e, "blob_id")}
+
+        return self._patiently(read, f"list {folder or 'the repo'}")
+
+    def read(self, path: str, revision: str | None = None) -> bytes | None:
+        """The bytes of `path` at `revision` (None: the Hub answered that the file is not there; a commit's tree
+        never changes, so at a pinned revision that answer stands)."""
+        from huggingface_hub.errors import LocalEntryNotFoundError, RemoteEntryNotFoundError
+
+        def fetch():
+            try:
+                return Path(self.api.hf_hub_download(self.address.repo_id, path, revision=revision,
+                                                     repo_type=self.address.repo_type)).read_bytes()
+            except RemoteEntryNotFoundError:
+                return None
+            except LocalEntryNotFoundError as exc:  # the Hub did not answer, and nothing is cached: unknown
+                raise HubUnavailable(f"cannot read {path} on the Hub: {exc}") from exc
+
+        return self._patiently(fetch, f"read {path}")
+
+    def download(self, paths: list[str], dest: Path, revision: str) -> None:
+        """Download `paths` (at `revision`, so that they are one checkpoint's) into `dest`, keeping their layout
+        under the address's folder. A stalled transfer ends at the client's read timeout and is tried again
+        (the client resumes a partial file)."""
+        for path in paths:
+            self._patiently(lambda: self.api.hf_hub_download(self.address.repo_id, path, revision=revision,
+                                                             repo_type=self.address.repo_type, local_dir=dest),
+                            f"download {path}")
+
+    def commits_since(self, parent: str) -> list:
+        """The commits on `main` after `parent`, newest first (all of them when `parent` is not in the history)."""
+        commits = self._patiently(lambda: self.api.list_repo_commits(self.address.repo_id,
+                                                                     repo_type=self.address.repo_type),
+                                  "read the repo's history")
+        since = []
+        for commit in commits:
+            if commit.commit_id == parent:
+                break
+            since.append(commit)
+        return since
+
+    # -- writes ------------------------------------------------------------------------------------------
+    def commit(self, message: str, *, parent: str, add: dict[str, str | Path | bytes] | None = None,
+               delete: list[str] = ()) -> str:
+        """One commit on `parent`: `add` (path in the repo -> a local file or bytes) and `delete` (paths; a path
+        ending in "/" is a folder). Returns the new head.
+
+        Raises:
+            HeadMoved: `main` is no longer at `parent` (and this commit is not the one that moved it).
+            HubUnavailable: no answer after the retries (the mark was looked for: the commit is not there).
+        """
+        from huggingface_hub import CommitOperationAdd, CommitOperationDelete
+
+        mark = f"{MARK} {uuid.uuid4().hex}"  # the same in every try: a try that lands late is recognised
+        seconds, rate = self.commit_wait
+        patience = seconds + sum(_size(src) for src in (add or {}).values()) / rate
+
+        def send():  # new operation objects each try: the client marks them, and a lost try may still run
+            operations = [CommitOperationAdd(path_in_repo=p, path_or_fileobj=str(src) if isinstance(src, Path)
+                                             else src) for p, src in (add or {}).items()]
+            operations += [CommitOperationDelete(path_in_repo=p) for p in delete]
+            return self.api.create_commit(self.address.repo_id, operations, commit_message=message,
+                                          commit_description=mark, parent_commit=parent,
+                                          repo_type=self.address.repo_type).oid
+
+        for wait in (*self.waits, None):
+            try:
+                return clock.within(patience, send, name="colab_kit-hub-commit")
+            except Exception as exc:  # noqa: BLE001 - sorted below; what is not the Hub's trouble is raised
+                status = _status(exc)
+                if status != 412 and not isinstance(exc, Late) and not _no_answer(exc):
+                    raise
+                landed = self._find_mark(mark, parent)  # it may have landed all the same
+                if landed is not None:
+                    log.info("a commit whose answer was lost had landed: %s", landed)
+                    return landed
+                if status == 412:
+                    raise HeadMoved(self._head_or_none()) from exc
+                head = self._head_or_none()
+                if head is not None and head != parent:
+                    raise HeadMoved(head) from exc
+                if wait is None:
+                    raise HubUnavailable(f"the Hub did not take a commit ({message}): {exc}") from exc
+                log.info("commit %r: no answer (%s); trying again in %.0f s", message, exc, wait)
+                clock.sleep(_retry_after(exc) or wait)
+        raise AssertionError("unreachable")
+
+    # -- helpers -----------------------------------------------------------------------------------------
+    def _find_mark(self, mark: str, parent: str) -> str | None:
+        try:
+            for commit in self.commits_since(parent):
+                if mark in (commit.message or ""):
+                    return commit.commit_id
+        except HubUnavailable:
+            return None  # unknown: the caller's own retry looks again
+        return None
+
+    def _head_or_none(self) -> str | None:
+        try:
+            return self.head()
+        except HubUnavailable:
+            return None
+
+    def _patiently(self, call, what: str):
+        """`call()`, tried again after 429/5xx and lost answers; `HubUnavailable` once the waits are spent."""
+        for wait in (*self.waits, None):
+            try:
+                return call()
+            except Exception as exc:  # noqa: BLE001 - what is not the Hub's trouble is raised as it is
+                if not _no_answer(exc):
+                    raise
+                if wait is None:
+                    raise HubUnavailable(f"cannot {what} on the Hub ({self.address}): {exc}") from exc
+                log.info("cannot %s on the Hub (%s); trying again in %.0f s", what, exc, wait)
+                clock.sleep(_retry_after(exc) or wait)
+        raise AssertionError("unreachable")
