@@ -249,3 +249,36 @@ def tiny_llama_files(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("tiny-llama")
     save_tiny_llama(folder)
     return folder
+
+
+@pytest.fixture
+def hub(monkeypatch, tmp_path):
+    """A running emulated Hugging Face Hub (tests/scripts/hub_server.py). The client must not upload through Xet
+    (with hf_xet installed it does so on its own after preupload), which the emulated Hub does not speak."""
+    from huggingface_hub import constants, file_download
+    from huggingface_hub.utils import _http
+    from hub_server import HubServer
+
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_TELEMETRY", True)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf_home" / "hub"))
+    # The client's own backoff (1, 2, 4, 8, 8 s between its tries) at a hundredth: the kit's retries are the
+    # ones under test, and they wait on the kit's clock.
+    import time
+
+    quick = types.SimpleNamespace(**{name: getattr(time, name) for name in ("time", "monotonic", "perf_counter")},
+                                  sleep=lambda seconds: time.sleep(seconds / 100))
+    monkeypatch.setattr(_http, "time", quick)
+    monkeypatch.setattr(file_download, "time", quick)
+    with HubServer() as server:
+        yield server
+
+
+@pytest.fixture
+def hub_env(hub, monkeypatch, tmp_path):
+    """The kit's client pointed at the emulated Hub, with a token, as a notebook would have it."""
+    monkeypatch.setenv("HF_ENDPOINT", hub.url)
+    monkeypatch.setenv("HF_TOKEN", "hf_test")
+    monkeypatch.setenv("HF_HUB_DISABLE_XET", "1")  # for jobs in subprocesses (tiny_job.py reads it)
+    return hub

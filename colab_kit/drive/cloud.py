@@ -33,7 +33,7 @@ from ..checkpoints.checkpoint import list_checkpoints
 from ..checkpoints.journal import Journal
 from ..checkpoints.manifest import MANIFEST
 from ..errors import DriveError
-from .drivefs import PLAIN, UNCONFIRMED, in_cloud
+from .drivefs import HUB, PLAIN, UNCONFIRMED, in_cloud
 from .uploads import Upload, cloud_files, learn_manifest, upload_for
 
 __all__ = ["Upload", "CloudTracker", "cloud_files", "upload_for"]
@@ -79,7 +79,7 @@ class CloudTracker:
             self._items.append(upload)
             if upload.step is not None:
                 self.last_bytes = upload.bytes
-            first = self._first_api_poll(upload) if self.api is not None else POLL_MIN_S
+            first = self._first_api_poll(upload) if self.api is not None and self.kind != HUB else POLL_MIN_S
             upload.next_poll = clock.monotonic() + first
             if confirmed:
                 upload.confirmed, upload.confirmed_at, upload.pending_bytes = clock.monotonic(), clock.time(), 0
@@ -193,10 +193,17 @@ class CloudTracker:
         return min(API_POLL_MAX_S, max(API_POLL_FIRST_S, 1.2 * expected + 1.0 if expected else 0.0))
 
     def _check(self, upload: Upload) -> tuple[bool, int]:
-        """(in the cloud, bytes not yet there) from DriveFS's attributes, or from Drive's API."""
+        """(in the cloud, bytes not yet there) from DriveFS's attributes, Drive's API, or the Hub (which commits
+        the folder first where its head lacks it: `hub/store.py`)."""
         upload.polls += 1
         if self.api is None:
             return in_cloud(upload.folder, upload.files, self.kind)
+        if self.kind == HUB:
+            before = self.api.calls
+            try:
+                return self.api.confirm(upload.folder, upload.manifest)
+            finally:
+                upload.api_calls += self.api.calls - before
         learn_manifest(upload)  # its size or md5, where a read failed as it was written (else nothing is read)
         expected = {name: (upload.sizes[name], md5) for name, md5 in upload.files.items() if name in upload.sizes}
         if len(expected) < len(upload.files):  # a size not known: nothing can be confirmed yet
@@ -233,8 +240,8 @@ class CloudTracker:
                 if adopted:  # found in the cloud at a start, uploaded by an earlier runtime
                     fields["adopted"] = True
                 rate = self.rate_bps
-                if self.api is not None:  # proof from Drive's servers, and what it cost
-                    fields.update(via="api", api_calls=upload.api_calls)
+                if self.api is not None:  # proof from Drive's servers or the Hub's, and what it cost
+                    fields.update(via="hub" if self.kind == HUB else "api", api_calls=upload.api_calls)
                 self.journal.write("cloud", **fields, seconds=round(upload.confirmed_at - upload.saved, 2),
                                    bytes=upload.bytes, rate_bps=round(rate) if rate else None)
             log.info("%s is in the cloud (%s)", upload.label, format_bytes(upload.bytes))

@@ -17,7 +17,7 @@ from pathlib import Path
 from ..checkpoints.clock import clock
 from ..checkpoints import storage
 from ..errors import DriveError
-from .drivefs import API, PLAIN, UNCONFIRMED, read_upload
+from .drivefs import API, HUB, PLAIN, UNCONFIRMED, read_upload
 
 __all__ = ["TrashFreeDeleter", "ApiDeleter", "UNCONFIRMED_GRACE_S"]
 
@@ -111,6 +111,25 @@ class ApiDeleter:
             _remove_tree(folder, first)
         except OSError as exc:  # the local copy goes at the next start (nothing in Drive is left of it)
             log.debug("removing the mount's copy of %s: %s", folder, exc)
+
+    def poll(self) -> list[Path]:
+        return []
+
+
+class HubDeleter:
+    """Deletes a checkpoint from the Hub repo in one commit through the run's lease, then from the replica
+    (`hub/store.py`). The interface of `TrashFreeDeleter`. A deletion frees no storage quota while the repo's
+    history holds the files (the Hub keeps every commit)."""
+
+    kind = HUB
+
+    def __init__(self, store):
+        self.store = store
+        self.pending: list[Path] = []  # nothing waits: a delete is done when `start` returns
+
+    def start(self, folder: Path, first: str | None = None, manifest_md5: str | None = None) -> None:
+        """Raises OSError (the Hub did not answer, or the lease is lost): nothing was deleted; chosen again later."""
+        self.store.delete(folder)
 
     def poll(self) -> list[Path]:
         return []

@@ -35,15 +35,16 @@ from ..checkpoints.clock import clock
 from .._units import format_bytes
 from ..checkpoints import storage
 
-__all__ = ["UNCOMMITTED", "ITEM_ID", "MD5", "DRIVEFS", "UNCONFIRMED", "PLAIN", "API", "FileUpload", "cloud_id",
+__all__ = ["UNCOMMITTED", "ITEM_ID", "MD5", "DRIVEFS", "UNCONFIRMED", "PLAIN", "API", "HUB", "FileUpload", "cloud_id",
            "read_upload", "folder_kind", "probe_kind", "is_drive_mount", "is_local_filesystem", "LOCAL_FILESYSTEMS",
-           "in_cloud", "describe_kind", "check_space"]
+           "in_cloud", "cloud_name", "describe_kind", "check_space"]
 
 UNCOMMITTED = "user.drive.uncommitted"
 ITEM_ID = "user.drive.id"
 MD5 = "user.drive.md5"
 DRIVEFS, UNCONFIRMED, PLAIN = "drivefs", "unconfirmed", "plain"
 API = "api"  # confirmed through Drive's API (`driveapi.py`), whatever the mount reports
+HUB = "hub"  # a replica on local disk of a run folder on the Hugging Face Hub (`hub/store.py`)
 COLAB_MOUNT = "/content/drive"
 _MISSING = (errno.ENODATA, errno.ENOTSUP, getattr(errno, "ENOATTR", errno.ENODATA))
 log = logging.getLogger(__name__)
@@ -173,7 +174,14 @@ def describe_kind(kind: str) -> str:
         PLAIN: "a plain folder; a checkpoint counts as safe once written, fsynced and read back",
         API: ("Google Drive, confirmed through Drive's API: a checkpoint counts as in the cloud once Drive's "
               "servers hold every file with the manifest's size and md5"),
+        HUB: ("the Hugging Face Hub: each checkpoint is one commit, in the cloud once the repo lists every file "
+              "with the manifest's sha256"),
     }[kind]
+
+
+def cloud_name(kind: str) -> str:
+    """What uploads the run's checkpoints, in a message: "the Hub" or "Drive"."""
+    return "the Hub" if kind == HUB else "Drive"
 
 
 def in_cloud(folder: Path, files: dict[str, str | None], kind: str) -> tuple[bool, int]:

@@ -33,8 +33,8 @@ from typing import Callable, Iterable
 
 from ..checkpoints import storage, validity
 from ..checkpoints.manifest import MANIFEST, Manifest, parse_manifest
-from .deleters import ApiDeleter, TrashFreeDeleter
-from .drivefs import API, DRIVEFS, PLAIN, UNCONFIRMED, in_cloud, read_upload
+from .deleters import ApiDeleter, HubDeleter, TrashFreeDeleter
+from .drivefs import API, DRIVEFS, HUB, PLAIN, UNCONFIRMED, in_cloud, read_upload
 from .evidence import Evidence
 from .uploads import cloud_files
 
@@ -110,7 +110,7 @@ class CheckpointGate:
                  api=None, lease=None):
         self.root, self.kind, self.journal, self.api = Path(root), kind, journal, api
         self.lease_check, self.lease = lease_check, lease
-        self.deleter = ApiDeleter(api) if kind == API else TrashFreeDeleter(kind)
+        self.deleter = ApiDeleter(api) if kind == API else HubDeleter(api) if kind == HUB else TrashFreeDeleter(kind)
         self._told: dict[str, str] = {}  # target -> the reason last journaled as kept (said once)
         self.evidence = Evidence()  # the order of writes, and what holds no checkpoint
 
@@ -255,6 +255,8 @@ class CheckpointGate:
                 done, _ = self.api.confirm(witness.path, expected)
             elif self.kind == DRIVEFS:
                 done, _ = in_cloud(witness.path, cloud_files(witness.path, manifest), DRIVEFS)
+            elif self.kind == HUB:  # the Hub's listing now, nothing committed for it
+                done, _ = self.api.confirm(witness.path, manifest, push=False)
             else:
                 return f"nothing confirms uploads on a folder of kind {self.kind}"
         # A failed read (OSError, ApiUnavailable, an ambiguous folder) is unknown.

@@ -15,7 +15,7 @@ from ..checkpoints.checkpoint import CHECKPOINTS
 from ..checkpoints.clock import clock
 from ..checkpoints.snapshot import Snapshot, SnapshotChanged, discard, keep_on_disk
 from .deleters import TrashFreeDeleter
-from .drivefs import DRIVEFS, UNCONFIRMED, probe_kind
+from .drivefs import DRIVEFS, HUB, UNCONFIRMED, probe_kind
 
 __all__ = ["MirrorWorker", "IDLE_S", "REPROBE_S"]
 
@@ -96,6 +96,8 @@ class MirrorWorker:
             self._chores_at = now if done else now + _CHORES_RETRY_S
             with self._cond:
                 self._cond.notify_all()  # drain() may be waiting for them
+        if self.kind == HUB:
+            self.sync_store()
         confirmed = self.tracker.poll()
         self.kept.release_safe()
         if self.tracker.missing(0.0) and now >= self._chores_at:
@@ -116,6 +118,15 @@ class MirrorWorker:
         if self.gate.pending and clock.monotonic() >= self._delete_poll_at:
             self.gate.poll()
             self._delete_poll_at = clock.monotonic() + _DELETE_POLL_S
+
+    def sync_store(self, force: bool = False) -> bool:
+        """On the Hub: commit the journal and the small files that changed (at most once a minute unless
+        `force`). True when the Hub holds them as the replica does; False when not now (said in the log)."""
+        try:
+            return self.tracker.api.sync_small(force)
+        except OSError as exc:  # the Hub's trouble, or the lease lost (the next lease check pauses the mirror)
+            log.info("the journal waits for the Hub: %s", exc)
+            return False
 
     def _reprobe(self) -> None:
         """DriveFS's attributes could not be read at the start: ask again; once they answer, the folder's uploads

@@ -39,11 +39,14 @@ log = logging.getLogger(__name__)
 # minutes when nothing else was committed costs at most 30 of them.
 HUB_HEARTBEAT_S = 120.0
 WATCH_BEATS = 1.5
+_CHECK_S = 10.0  # a check that found the lease this runtime's stands this long
 _MOVES = 8  # heads moved by other runs of the repo, in a row, before a commit gives up for now
 
 
-class LeaseLost(Exception):
-    """The run's lease is another runtime's: this one writes nothing more to the run."""
+class LeaseLost(OSError):
+    """The run's lease is another runtime's: this one writes nothing more to the run. (An OSError, as the
+    Hub's other trouble is, so that the uploader's callers keep what they were doing pending; the uploader's
+    next lease check sees the loss and stops for good.)"""
 
     def __init__(self, holder: LeaseInfo | None):
         super().__init__(f"the run was taken over by host {holder.host if holder else 'unknown'}")
@@ -75,6 +78,7 @@ class HubLease:
         self.watched_s = 0.0
         self.watching: LeaseInfo | None = None
         self.committed_at = clock.monotonic()
+        self._checked_at = -float("inf")
         self._lock = threading.Lock()  # one commit at a time: the heartbeat thread and the uploader
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -222,7 +226,7 @@ class HubLease:
         files = dict(add or {})
         files[self.path] = json.dumps(asdict(self.info)).encode()
         self.head = self.repo.commit(message, parent=self.head, add=files, delete=list(delete))
-        self.committed_at = clock.monotonic()
+        self.committed_at = self._checked_at = clock.monotonic()
         return self.head
 
     def _held_at(self, head: str | None) -> bool | None:
@@ -242,19 +246,29 @@ class HubLease:
         return True
 
     def check(self) -> bool | None:
-        """Is the lease still this runtime's? True, False (lost), or None (unknown now)."""
+        """Is the lease still this runtime's? True, False (lost), or None (unknown now). Asked before every write
+        of the replica too, so the Hub is asked at most every `_CHECK_S` seconds: the commits themselves are
+        fenced (a taken-over runtime's commit never lands), this only stops the writes sooner."""
         if self.lost:
             return False
+        if clock.monotonic() - self._checked_at < _CHECK_S:
+            return True
         try:
             head = self.repo.head()
         except HubUnavailable:
             return None
-        if head == self.head:
-            return True
         try:
-            return self._held_at(head)
+            held = True if head == self.head else self._held_at(head)
         except LeaseLost:
             return False
+        if held:
+            self._checked_at = clock.monotonic()
+        return held
+
+    @staticmethod
+    def watch_s(previous: LeaseInfo) -> float:
+        """How long another host's lease `previous` is watched before it counts as dead."""
+        return WATCH_BEATS * previous.heartbeat_s
 
     # -- heartbeat and release ---------------------------------------------------------------------------
     def step(self, on_lost: Callable[[LeaseInfo | None], None], on_error: Callable[[OSError], None] | None = None) -> bool:

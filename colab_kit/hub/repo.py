@@ -19,6 +19,7 @@ only what a listing proves.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import uuid
 from dataclasses import dataclass
@@ -70,6 +71,22 @@ def _retry_after(exc: BaseException) -> float | None:
         return None
 
 
+@contextlib.contextmanager
+def _no_progress_bars():
+    """The client's progress bars off while a commit uploads: they would be drawn from the uploader's thread into
+    whatever cell the notebook runs. (The client's switch is process-wide: a download the user starts in these
+    seconds shows no bar either.)"""
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+
+    was = are_progress_bars_disabled()
+    disable_progress_bars()
+    try:
+        yield
+    finally:
+        if not was:
+            enable_progress_bars()
+
+
 def _size(src) -> int:
     return len(src) if isinstance(src, (bytes, bytearray)) else Path(src).stat().st_size
 
@@ -117,7 +134,7 @@ class HubRepo:
     def listing(self, folder: str, revision: str | None = None) -> dict[str, HubFile]:
         """Every file under `folder` at `revision` (default: the head), by path in the repo. Nothing for a folder
         that does not exist at that revision (the Hub answers 404 for it)."""
-        from huggingface_hub.errors import RemoteEntryNotFoundError as EntryNotFoundError
+        from huggingface_hub.errors import EntryNotFoundError
 
         def read():
             try:
@@ -134,16 +151,16 @@ class HubRepo:
     def read(self, path: str, revision: str | None = None) -> bytes | None:
         """The bytes of `path` at `revision` (None: the Hub answered that the file is not there; a commit's tree
         never changes, so at a pinned revision that answer stands)."""
-        from huggingface_hub.errors import LocalEntryNotFoundError, RemoteEntryNotFoundError
+        from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
 
         def fetch():
             try:
                 return Path(self.api.hf_hub_download(self.address.repo_id, path, revision=revision,
                                                      repo_type=self.address.repo_type)).read_bytes()
-            except RemoteEntryNotFoundError:
-                return None
             except LocalEntryNotFoundError as exc:  # the Hub did not answer, and nothing is cached: unknown
                 raise HubUnavailable(f"cannot read {path} on the Hub: {exc}") from exc
+            except EntryNotFoundError:  # the Hub answered 404 (the local kind is caught above: it subclasses it)
+                return None
 
         return self._patiently(fetch, f"read {path}")
 
@@ -185,12 +202,15 @@ class HubRepo:
         patience = seconds + sum(_size(src) for src in (add or {}).values()) / rate
 
         def send():  # new operation objects each try: the client marks them, and a lost try may still run
-            operations = [CommitOperationAdd(path_in_repo=p, path_or_fileobj=str(src) if isinstance(src, Path)
-                                             else src) for p, src in (add or {}).items()]
-            operations += [CommitOperationDelete(path_in_repo=p) for p in delete]
-            return self.api.create_commit(self.address.repo_id, operations, commit_message=message,
-                                          commit_description=mark, parent_commit=parent,
-                                          repo_type=self.address.repo_type).oid
+            with contextlib.ExitStack() as files, _no_progress_bars():
+                adds = [CommitOperationAdd(path_in_repo=p, path_or_fileobj=files.enter_context(open(src, "rb"))
+                                           if isinstance(src, Path) else src) for p, src in (add or {}).items()]
+                for operation in adds:
+                    self.api.preupload_lfs_files(self.address.repo_id, [operation], repo_type=self.address.repo_type)
+                operations = adds + [CommitOperationDelete(path_in_repo=p) for p in delete]
+                return self.api.create_commit(self.address.repo_id, operations, commit_message=message,
+                                              commit_description=mark, parent_commit=parent,
+                                              repo_type=self.address.repo_type).oid
 
         for wait in (*self.waits, None):
             try:

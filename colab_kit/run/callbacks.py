@@ -19,6 +19,7 @@ from ..checkpoints.checkpoint import checkpoint_dir
 from ..checkpoints.shards import IncompleteShards
 from ..checkpoints.snapshot import SNAPSHOTS, take_snapshot
 from ..distributed import ranks
+from ..drive.drivefs import cloud_name
 from ..errors import ColabKitError
 from .best import restore_best, step_of
 from .disk import check_local_space
@@ -179,7 +180,7 @@ class SaveScheduleCallback(TrainerCallback):
 
     def _drive_speed(self, expected: float) -> str:
         tracker = self.run.mirror.tracker
-        return (f"Drive uploads ~{format_bytes(tracker.rate_bps)}/s; a {format_bytes(tracker.last_bytes)} "
+        return (f"{cloud_name(tracker.kind)} uploads ~{format_bytes(tracker.rate_bps)}/s; a {format_bytes(tracker.last_bytes)} "
                 f"checkpoint needs ~{format_age(expected)}")
 
     def on_save(self, args, state, control, **kwargs):

@@ -14,7 +14,7 @@ import sys
 from ..checkpoints.clock import Late, clock
 from .._notices import Countdown
 from .._units import format_age, format_bytes
-from ..drive.drivefs import PLAIN, UNCONFIRMED
+from ..drive.drivefs import HUB, PLAIN, UNCONFIRMED, cloud_name
 from ..drive.mount import flush_hint
 from .registry import unheld_runs, unregister
 
@@ -78,6 +78,8 @@ def finish_run(run, timeout: float | None, status: str, *, flush: bool = False, 
                           pending_bytes=summary["pending_bytes"], durability=run.durability)
     run.journal.write("finish", **summary)
     _within(deadline, run.journal.flush)
+    if run.durability == HUB:  # the journal and the small files go up in one last commit
+        _within(deadline, lambda: run.mirror.sync_store(force=True))
     run.mirror.finish_deletions(max(1.0, deadline - clock.monotonic()) if deadline is not None else 60.0)
     run.mirror.close(timeout=_left(deadline, 10.0))
     _within(deadline, run.lease.release, at_least=1.0)
@@ -154,6 +156,9 @@ def _finish_again(run, deadline: float | None, flush: bool) -> dict:
     wait_for_cloud(run.mirror.tracker, deadline)
     if run.mirror.tracker.all_in_cloud() and not run.mirror.paused:  # what reached the cloud since allows pruning
         _within(deadline, lambda: run.mirror.prune_now(deadline if deadline is not None else clock.monotonic() + 60))
+    if run.durability == HUB and not run.mirror.paused:  # what was journaled since (final/ in the cloud, say)
+        _within(deadline, run.journal.flush)
+        _within(deadline, lambda: run.mirror.sync_store(force=True))
     summary = run.status() | {k: run._summary[k] for k in ("status", "synced")} | {"in_cloud": _in_cloud(run)}
     report(run, summary, again=True)
     if flush:
@@ -178,7 +183,7 @@ def wait_for_cloud(tracker, deadline: float | None) -> bool:
             return False
         countdown = countdown or Countdown()
         eta, rate = tracker.eta_s(), tracker.rate_bps
-        countdown.show(f"colab_kit: waiting for Drive to upload {format_bytes(tracker.pending_bytes)} "
+        countdown.show(f"colab_kit: waiting for {cloud_name(tracker.kind)} to upload {format_bytes(tracker.pending_bytes)} "
                        f"({tracker.pending_labels()})"
                        + (f": ~{format_age(eta)} left at {format_bytes(rate)}/s" if eta and rate else "")
                        + (f"; giving up in {format_age(left)}" if left is not None else ""))

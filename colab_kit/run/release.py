@@ -61,7 +61,7 @@ def release_runtime(run, summary: dict) -> bool:
         print(f"colab_kit: the runtime is kept: google.colab.runtime cannot be imported ({exc}).", flush=True)
         return False
     newest = run.mirror.tracker.newest_in_cloud()
-    print(f"colab_kit: everything is in the cloud" + (f" (newest checkpoint-{newest.step})" if newest else "")
+    print("colab_kit: everything is in the cloud" + (f" (newest checkpoint-{newest.step})" if newest else "")
           + "; releasing this Colab runtime now (Runtime -> Run all in a new one resumes or finds the run done).",
           flush=True)
     sys.stderr.flush()

@@ -18,23 +18,25 @@ from pathlib import Path
 
 from ..checkpoints.clock import clock
 from .._notices import Countdown, Notices
-from .._units import format_age, is_count, parse_duration, parse_rate
+from .._units import format_age
 from ..checkpoints import storage
 from ..checkpoints.checkpoint import CHECKPOINTS
 from ..checkpoints.journal import EVENTS, Journal, SilentJournal
 from ..checkpoints.search import RETRY_WAITS, Found
 from ..checkpoints.snapshot import SNAPSHOTS, recover_saved, take_snapshot
 from ..distributed.ranks import detect as detect_ranks
-from ..drive.confirm import check_confirm, choose_confirmation
-from ..drive.drivefs import folder_kind, probe_kind
+from ..drive.confirm import choose_confirmation
+from ..drive.drivefs import HUB, folder_kind, probe_kind
 from ..drive.lease import Lease
 from ..drive.mount import resolve_root
 from ..drive.retention import Ladder
 from ..errors import DriveError
 from ..runtime import detect_runtime, in_colab, in_kaggle, library_versions
 from .drift import describe_drift, drift
-from .find import RESUME_MODES, fetch_best_of, find_resume, kit_state, set_aside_newer
+from .find import fetch_best_of, find_resume, kit_state, set_aside_newer
 from .fresh import archive_checkpoints
+from .hubstart import hub_address, open_hub, replica_of
+from .startargs import check_settings
 from .finish import close_run, close_unheld_runs
 from .registry import TrainClock, open_runs, register, unregister
 from .run import Run
@@ -58,21 +60,6 @@ def _default_local_dir(name: str) -> Path:
     return Path("/tmp/colab_kit_local" if in_kaggle() else "scratch").absolute() / name
 
 
-def _parse_save_every(save_every) -> tuple[float | None, int | None]:
-    if save_every is None:
-        return None, None
-    if isinstance(save_every, bool):
-        raise ValueError("save_every must be a duration such as \"10min\" or an int number of steps")
-    if isinstance(save_every, int):
-        if save_every < 1:
-            raise ValueError(f"save_every={save_every}: the number of steps must be at least 1")
-        return None, save_every
-    if isinstance(save_every, float):
-        raise ValueError(f"save_every={save_every}: give an int number of steps, or a duration "
-                         f"string such as \"90s\", \"10min\" or \"1h\"")
-    return parse_duration(save_every), None
-
-
 def _clean_local(local_dir: Path) -> None:
     # Leftovers of a killed process: snapshots whose upload never finished (the checkpoints
     # themselves are still there), half-fetched and half-staged folders.
@@ -84,27 +71,11 @@ def _clean_local(local_dir: Path) -> None:
                 log.debug("could not remove %s: %s", entry.path, exc)
 
 
-def _settings(keep, confirm, resume, settle, assumed_rate, save_every) -> tuple[Ladder, float, tuple]:
-    """Every argument checked before anything is touched: (ladder, pace rate, save interval)."""
-    if not is_count(keep):
-        raise ValueError(f"keep={keep!r}: keep at least 1 checkpoint on Drive")
-    check_confirm(confirm)
-    if resume not in RESUME_MODES or isinstance(resume, int) and not isinstance(resume, bool):
-        raise ValueError(f"resume={resume!r}: use True (the newest checkpoint), False (start fresh, archiving the "
-                         f"old ones) or 'readable' (the newest that can be read now)")
-    if isinstance(settle, bool) or not isinstance(settle, (int, float, str)):
-        raise ValueError(f"settle={settle!r}: give a duration such as \"10min\", or seconds")
-    try:
-        ladder = Ladder(settle if isinstance(settle, (int, float)) else parse_duration(settle))
-    except ValueError as exc:
-        raise ValueError(f"settle={settle!r}: {exc}") from None
-    return ladder, parse_rate(assumed_rate), _parse_save_every(save_every)
-
-
 def start_run(name: str, *, drive: str | os.PathLike | None = None, local_dir: str | os.PathLike | None = None,
               save_every: str | int | None = "10min", keep: int = 3, resume: bool | str = True,
-              takeover: bool = False, gauges: bool = True, heartbeat_s: float = 30.0, quiet: bool = False,
-              settle: str | float = "10min", assumed_rate: str | float = "1MB/s", confirm="auto") -> Run:
+              takeover: bool = False, gauges: bool = True, heartbeat_s: float | None = None, quiet: bool = False,
+              settle: str | float = "10min", assumed_rate: str | float = "1MB/s", confirm="auto",
+              store: str | None = None) -> Run:
     """Open (or reopen) a run whose checkpoints survive a runtime reset.
 
     Args:
@@ -127,7 +98,8 @@ def start_run(name: str, *, drive: str | os.PathLike | None = None, local_dir: s
             whose heartbeat stops for 1.5 intervals (a disconnected VM) is taken over without it.
         gauges: live GPU/RAM gauges while `run.train` runs (a summary stays, and is written to
             `<drive_dir>/gauges.html`).
-        heartbeat_s: lease heartbeat interval (a lease is stale after 4 missed beats).
+        heartbeat_s: lease heartbeat interval (a lease is stale after 4 missed beats; default 30 s on a folder,
+            2 minutes on the Hub, where each beat is a commit).
         quiet: do not print the summary.
         settle, assumed_rate: where nothing confirms uploads (durability "unconfirmed"), no guess about
             the upload rate deletes anything: the kit keeps the run's oldest checkpoint, every one
@@ -140,6 +112,11 @@ def start_run(name: str, *, drive: str | os.PathLike | None = None, local_dir: s
             (every file's size and md5 through Drive's API; asks consent once in Colab; pruned
             checkpoints are deleted for good), or a `ck.DriveApi(endpoint, root)`. Without the
             package, consent or network, "api" goes on as "auto" and says so (`drive/confirm.py`).
+        store: "hf://<user>/<repo>" (or "hf://datasets/<user>/<repo>", with a folder after it if wanted) keeps
+            the run in `<repo>/<name>/` on the Hugging Face Hub instead of a folder: each checkpoint one commit,
+            in the cloud once the repo lists every file with the manifest's sha256; the token from $HF_TOKEN,
+            Colab's or Kaggle's secrets (HF_TOKEN), or a saved login (`run/hubstart.py`). `drive=` may hold
+            such an address too. On Kaggle, with neither, the Hub is used when a token is found.
 
     Several processes (torchrun, `accelerate launch`, `notebook_launcher`: RANK and WORLD_SIZE
     set): every rank calls start_run; rank 0 holds the lease, uploads, journals and prints, and
@@ -155,10 +132,20 @@ def start_run(name: str, *, drive: str | os.PathLike | None = None, local_dir: s
     if not isinstance(name, str) or not _NAME_OK.match(name):
         raise ValueError(f"run name {name!r}: use letters, digits, '.', '_' and '-' (it becomes a "
                          f"folder name), for example ck.start_run('rna-bert')")
-    ladder, pace_bps, (save_every_s, save_every_steps) = _settings(keep, confirm, resume, settle, assumed_rate,
+    ladder, pace_bps, (save_every_s, save_every_steps) = check_settings(keep, confirm, resume, settle, assumed_rate,
                                                                    save_every)
     runtime = detect_runtime()
-    drive_dir, local, on_drive = _resolve(name, drive, local_dir)
+    early = Notices()
+    address = hub_address(store, drive, kaggle=runtime.kaggle, say=early.add)
+    if address is not None and resume is False:
+        raise ValueError(f"resume=False on the Hub store {address}: a fresh start over a run kept on the Hub is not "
+                         f"supported yet; give the run a new name, or delete {name}/ in the repo first")
+    if address is None:
+        drive_dir, local, on_drive = _resolve(name, drive, local_dir)
+    else:
+        local = Path(local_dir).absolute() if local_dir is not None else _default_local_dir(name)
+        local.mkdir(parents=True, exist_ok=True)
+        drive_dir, on_drive = replica_of(name, local), False
     ranks = detect_ranks()
     if not ranks.writer:  # no lease, no uploader, no journal: rank 0 is the run's one writer
         return Run(name, drive_dir, local, on_drive=on_drive, save_every_s=save_every_s,
@@ -168,12 +155,20 @@ def start_run(name: str, *, drive: str | os.PathLike | None = None, local_dir: s
 
     close_earlier_runs(name, drive_dir)
 
-    lease, replaced = _claim(name, drive_dir, heartbeat_s, takeover, quiet)
+    hub = None
+    if address is None:
+        lease = Lease(drive_dir, heartbeat_s=heartbeat_s or 30.0)
+        replaced = _claim(lease, name, drive_dir, takeover, quiet)
+    else:
+        opened = open_hub(name, address, local, heartbeat_s=heartbeat_s, takeover=takeover,
+                          claim=lambda lease: _claim(lease, name, f"{address}/{lease.folder}", takeover, quiet))
+        lease, replaced, hub = opened.lease, opened.replaced, opened.store
     try:
         run, found, archived = open_claimed(name, drive_dir, local, lease=lease, runtime=runtime, on_drive=on_drive,
                                             confirm=confirm, resume=resume, keep=keep, save_every_s=save_every_s,
                                             save_every_steps=save_every_steps, gauges=gauges, ladder=ladder,
-                                            pace_bps=pace_bps, ranks=ranks, replaced=replaced, save_every=save_every)
+                                            pace_bps=pace_bps, ranks=ranks, replaced=replaced, save_every=save_every,
+                                            hub=hub, said=early)
     except KeyboardInterrupt:  # the stop button: open_claimed stopped its uploader and let the lease go
         print(stopped_opening(name, drive_dir, replaced), flush=True)
         raise
@@ -206,7 +201,8 @@ def close_earlier_runs(name: str, drive_dir: Path) -> None:
 
 def open_claimed(name: str, drive_dir: Path, local: Path, *, lease: Lease, runtime, on_drive: bool, confirm,
                  resume, keep: int, save_every_s, save_every_steps, gauges: bool, ladder: Ladder, pace_bps: float,
-                 ranks, replaced=None, save_every=None, threaded: bool = True) -> tuple[Run, Found | None, Path | None]:
+                 ranks, replaced=None, save_every=None, threaded: bool = True, hub=None,
+                 said: Notices | None = None) -> tuple[Run, Found | None, Path | None]:
     """The run folder, its lease held: how uploads are confirmed, what to resume from, the uploader.
     (`start_run`'s core; the deterministic simulator calls it too, with `threaded=False`: then nothing
     runs in the background, and the simulator calls the workers' step functions.)
@@ -217,11 +213,14 @@ def open_claimed(name: str, drive_dir: Path, local: Path, *, lease: Lease, runti
         DriveError: the checkpoints or the journal could not be read, or one the journal confirmed in the
             cloud cannot be used now (the lease is released: nothing was started).
     """
-    notices = Notices()
+    notices = said or Notices()
     run = None
     try:
-        kind, settled = probe_kind(drive_dir, on_drive=on_drive)
-        kind, api = choose_confirmation(confirm, drive_dir, kind, colab=runtime.colab, say=notices.add)
+        if hub is None:
+            kind, settled = probe_kind(drive_dir, on_drive=on_drive)
+            kind, api = choose_confirmation(confirm, drive_dir, kind, colab=runtime.colab, say=notices.add)
+        else:  # a replica of a run on the Hub: the Hub confirms, commits and deletes (`hub/store.py`)
+            kind, settled, api = HUB, True, hub
         journal = Journal(drive_dir / EVENTS, local_copy=local / EVENTS, guard=lease.check)
         recover_saved(local / SNAPSHOTS)  # saves the Trainer finished but the kit never got to upload
         _clean_local(local)
@@ -278,9 +277,9 @@ def _resolve(name: str, drive, local_dir) -> tuple[Path, Path, bool]:
     return drive_dir, local, on_drive
 
 
-def _claim(name: str, drive_dir: Path, heartbeat_s: float, takeover: bool, quiet: bool):
-    """(the run's lease, held; the lease it replaced, if any)."""
-    lease = Lease(drive_dir, heartbeat_s=heartbeat_s)
+def _claim(lease, name: str, drive_dir, takeover: bool, quiet: bool):
+    """Acquire `lease` (a `Lease` or a `HubLease`) with a countdown while it watches another VM's; returns the
+    lease it replaced, if any."""
     countdown = None if quiet else Countdown(every=10.0)
 
     def watching(holder, left):  # its heartbeat's time is another VM's clock: only whether it changes is said
@@ -295,7 +294,7 @@ def _claim(name: str, drive_dir: Path, heartbeat_s: float, takeover: bool, quiet
     except OSError as exc:
         raise DriveError(f"cannot write the lease file in {drive_dir}: {exc}. Check that the folder is "
                          f"writable and not full, then run this cell again") from exc
-    return lease, replaced
+    return replaced
 
 
 def _take(run: Run, found: Found) -> None:

@@ -23,7 +23,7 @@ from ..drive.lease import lease_staleness, read_lease
 __all__ = ["show_status", "headline"]
 
 
-_RUN_FOLDER = re.compile(r"persistent folder: (.+?)(?: \(Google Drive\))?$", re.M)
+_RUN_FOLDER = re.compile(r"persistent folder: (.+?)(?: \(Google Drive\)|, a replica of .*)?$", re.M)
 
 
 def headline(executed: Path) -> list[str]:

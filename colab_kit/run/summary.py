@@ -9,7 +9,7 @@ from pathlib import Path
 
 from .._units import format_age, format_bytes
 from ..checkpoints.search import Found
-from ..drive.drivefs import PLAIN, UNCONFIRMED, describe_kind
+from ..drive.drivefs import HUB, PLAIN, UNCONFIRMED, describe_kind
 
 __all__ = ["summary", "stopped_claiming", "stopped_opening"]
 
@@ -17,7 +17,8 @@ __all__ = ["summary", "stopped_claiming", "stopped_opening"]
 def summary(run, found: Found | None, replaced, because: str | None, archived: Path | None, save_every) -> str:
     """The one summary `start_run` prints (`replaced`: the lease taken over, and `because` why)."""
     lines = [f"colab_kit · run {run.name!r}", *("  " + line for line in run.runtime.describe().splitlines()),
-             f"  persistent folder: {run.drive_dir}" + (" (Google Drive)" if run.on_drive else ""),
+             f"  persistent folder: {run.drive_dir}" + (" (Google Drive)" if run.on_drive else "")
+             + (f", a replica of {run.mirror.tracker.api.describe()}" if run.durability == HUB else ""),
              f"  durability: {describe_kind(run.durability)}",
              f"  local folder: {run.local_dir}"]
     if run.ranks.distributed:

@@ -54,6 +54,7 @@ _GIT = r"^/(?:(?P<rtype>datasets|spaces)/)?(?P<repo>[^/]+/[^/]+)"
 # (methods, regex on the raw path, endpoint name). Raw = still %-encoded, so "%2F" stays in its segment.
 ROUTES = [
     ("POST", r"^/api/repos/create$", "create_repo"),
+    ("GET", r"^/api/whoami-v2$", "whoami"),
     ("POST", r"^/api/validate-yaml$", "validate_yaml"),
     ("GET", _API + r"(?:/revision/(?P<rev>[^/]+))?$", "repo_info"),
     ("POST", _API + r"/preupload/(?P<rev>[^/]+)$", "preupload"),
@@ -250,6 +251,10 @@ class _Handler(BaseHTTPRequestHandler):
             "downloads": 0, "likes": 0, "lastModified": utc_iso(repo.head.date),
             "createdAt": utc_iso(repo.history[0].date), "siblings": siblings,
         })
+
+    def h_whoami(self) -> None:  # every token is the user "user", who owns the repos it creates
+        self._json({"type": "user", "name": "user", "fullname": "Emulated User", "orgs": [],
+                    "auth": {"type": "access_token", "accessToken": {"role": "write"}}})
 
     def h_validate_yaml(self) -> None:
         self._json({"errors": [], "warnings": []})

@@ -41,16 +41,17 @@ def events(run_dir):
     return read_events(run_dir / "events.jsonl")
 
 
-def kill_after_first_durable_checkpoint_and_rerun(notebook, workdir, run_dir, *params, env=None,
-                                                  new_vm=False) -> tuple[int, list, str]:
-    """Run the notebook, kill its kernel once a checkpoint is durable, run it again (with `new_vm`, after
-    deleting the local folder, as a reconnect to a fresh VM finds it); returns (the first durable step,
-    the events of the second run, what the second run printed to the terminal)."""
+def kill_after_first_durable_checkpoint_and_rerun(notebook, workdir, run_dir, *params, env=None, new_vm=False,
+                                                  durable_event="sync") -> tuple[int, list, str]:
+    """Run the notebook, kill its kernel once a checkpoint is durable (its `durable_event` journaled: "sync" on a
+    plain folder, "cloud" on the Hub), run it again (with `new_vm`, after deleting the local folder, as a
+    reconnect to a fresh VM finds it); returns (the first durable step, the events of the second run, what the
+    second run printed to the terminal)."""
     proc = run_notebook(notebook, workdir, *params, popen=True, env=env)
     deadline = time.monotonic() + 600
     durable = None
     while time.monotonic() < deadline and proc.poll() is None and durable is None:
-        synced = [e["step"] for e in events(run_dir) if e["event"] == "sync"]
+        synced = [e["step"] for e in events(run_dir) if e["event"] == durable_event and "step" in e]
         durable = synced[0] if synced else None
         time.sleep(0.2)
     if durable is None:

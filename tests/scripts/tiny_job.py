@@ -281,6 +281,10 @@ def main() -> None:
         import socket
 
         socket.gethostname = lambda: args.hostname
+    if os.environ.get("HF_HUB_DISABLE_XET"):  # the emulated Hub (--drive hf://...): the forkserver imported the
+        from huggingface_hub import constants  # client before this job's environment was set
+
+        constants.HF_HUB_DISABLE_XET = True
     import colab_kit.run.start
 
     colab_kit.run.start._PRUNE_AFTER = args.prune_after

@@ -5,6 +5,7 @@ import time
 from pathlib import Path
 
 import pytest
+from hub_checks import head_files, verified_on_hub
 from notebook_runs import events, kill_after_first_durable_checkpoint_and_rerun, printed, run_notebook  # noqa: E402
 from project import ROOT  # noqa: E402
 
@@ -105,13 +106,23 @@ def test_the_full_preset_without_a_gpu_stops_at_once_unless_allowed(path, tmp_pa
     assert "needs a GPU" not in allowed.stdout + allowed.stderr and (tmp_path / "drive").exists()
 
 
-def killed_then_run_to_the_end(notebook, workdir, run_name, *params) -> tuple[Path, dict]:
+def killed_then_run_to_the_end(notebook, workdir, run_name, *params, hub=None) -> tuple[Path, dict]:
     """Run the notebook, kill its kernel once a checkpoint is in the cloud, run it again: it must resume
-    from there, finish and leave a verified `final/`. Returns (run folder, metrics)."""
+    from there, finish and leave a verified `final/`. Returns (run folder, metrics).
+
+    With `hub` (the emulated Hub), the run is kept on the Hub (DRIVE_DIR = "hf://user/runs"), killed once a
+    checkpoint is confirmed there, and run again on a new VM (nothing on its disk): it comes back from the Hub,
+    and the Hub holds its newest checkpoint and final/ whole, each file with the manifest's sha256."""
     from colab_kit.checkpoints.validity import verify_folder
 
-    run_dir = workdir / "drive" / run_name
-    durable, second, said = kill_after_first_durable_checkpoint_and_rerun(notebook, workdir, run_dir, *params)
+    run_dir, env, durable_event = workdir / "drive" / run_name, None, "sync"
+    if hub is not None:
+        params = (("DRIVE_DIR", "hf://user/runs"), *params)
+        env = {"HF_ENDPOINT": hub.url, "HF_TOKEN": "hf_test", "HF_HUB_DISABLE_XET": "1",
+               "HF_HOME": str(workdir / "hf_home")}
+        run_dir, durable_event = workdir / "scratch" / f"{run_name}.hub", "cloud"  # the replica, beside the scratch
+    durable, second, said = kill_after_first_durable_checkpoint_and_rerun(
+        notebook, workdir, run_dir, *params, env=env, new_vm=hub is not None, durable_event=durable_event)
     resumed = [e for e in second if e["event"] == "resume"]
     assert resumed and resumed[0]["step"] >= durable
     assert verify_folder(run_dir / "final") is None
@@ -126,12 +137,18 @@ def killed_then_run_to_the_end(notebook, workdir, run_name, *params) -> tuple[Pa
     else:
         test = summary["metrics"]["test"]
         assert f"test: accuracy {test['accuracy']:.3f}, macro-F1 {test['macro_f1']:.3f}, MCC {test['mcc']:.3f}" in tail
+    if hub is not None:
+        files = head_files(hub)
+        assert verified_on_hub(files, f"{run_name}/checkpoints/checkpoint-{newest}")
+        assert verified_on_hub(files, f"{run_name}/final")
+        assert files[f"{run_name}/metrics.json"].content == (run_dir / "metrics.json").read_bytes()
     return run_dir, summary
 
 
 @pytest.mark.slow(65)
-def test_rna_quick_preset_killed_after_a_durable_checkpoint_resumes_and_learns(tmp_path):
-    run_dir, summary = killed_then_run_to_the_end(RNA, tmp_path, "rna-bert")
+def test_rna_quick_preset_on_the_hub_killed_then_resumed_on_a_new_vm_learns(hub_env, tmp_path):
+    # On a plain folder the RNA notebook runs whole in the pretraining test below (and as the README's main job).
+    run_dir, summary = killed_then_run_to_the_end(RNA, tmp_path, "rna-bert", hub=hub_env)
     assert summary["metrics"]["test"]["accuracy"] >= 0.9
     assert {"macro_f1", "mcc", "confusion", "per_class"} <= set(summary["metrics"]["test (de-duplicated)"])
     assert {"model.safetensors", "config.json", "tokenizer.json", "metrics.json"} <= {p.name for p in (run_dir / "final").iterdir()}
@@ -175,8 +192,10 @@ GPT2 = ROOT / "notebooks" / "distilgpt2_finetune.ipynb"
 
 
 @pytest.mark.slow(90)
-def test_gpt2_quick_preset_killed_after_a_durable_checkpoint_resumes_and_lowers_perplexity(tmp_path):
-    _, metrics = killed_then_run_to_the_end(GPT2, tmp_path, "distilgpt2-wikitext")
+@pytest.mark.parametrize("store", ["folder", "hub"])
+def test_gpt2_quick_preset_killed_after_a_durable_checkpoint_resumes_and_lowers_perplexity(tmp_path, request, store):
+    hub = request.getfixturevalue("hub_env") if store == "hub" else None  # the Hub: killed, a new VM, resumed
+    _, metrics = killed_then_run_to_the_end(GPT2, tmp_path, "distilgpt2-wikitext", hub=hub)
     assert metrics["perplexity_after"] < metrics["perplexity_before"] / 5
     said = printed(tmp_path)
     assert "layer 'lm_head2' is Linear(50257 -> 50257)" in said  # the seed's model, flagged

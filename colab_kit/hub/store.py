@@ -1,0 +1,163 @@
+"""A run folder kept on the Hugging Face Hub, through a replica on this machine's disk.
+
+The kit's durability core works on a folder: it writes a checkpoint there (data first, MANIFEST.json
+last, read back), follows it until it is in the cloud, and lets older ones go through its one gate. On
+the Hub the folder is a *replica* on local disk (`<scratch>/hub/<repo>/<name>/`), and this class is what
+stands between it and the repo, in the role DriveFS plays for a Drive mount:
+
+- `pull` (at the start, the lease held): every file of the run's folder at the head is made present in the
+  replica, downloaded where the replica lacks it or holds other bytes (a fresh VM starts from the Hub, the
+  same VM after a kernel restart keeps what it has); files only in the replica (written, not yet committed)
+  stay, for the uploader to commit;
+- `confirm` (the tracker, for each written checkpoint and `final/`): the folder is committed in ONE commit,
+  manifest included, if the head does not hold it yet, then it is in the cloud when the listing shows every
+  file with the manifest's sha256 as its LFS id (`verify.py`);
+- `delete` (the gate's deleter): one commit removing the folder, then the replica's copy;
+- `sync_small` (the uploader's chores, throttled): the journal and the small files of the run folder
+  committed together when they changed, at most once a minute (a repo takes about 128 commits an hour).
+
+Every commit goes through the run's `HubLease`, so none lands once another runtime took the run over.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from pathlib import Path
+
+from ..checkpoints import storage
+from ..checkpoints.clock import clock
+from ..checkpoints.manifest import MANIFEST, Manifest, parse_manifest
+from .lease import HubLease
+from .repo import HubFile, HubRepo
+from .verify import GITATTRIBUTES, git_blob_id, lfs_rule, not_shown
+
+__all__ = ["HubStore", "SMALL_EVERY_S"]
+
+log = logging.getLogger(__name__)
+SMALL_EVERY_S = 60.0
+
+
+class HubStore:
+    """The Hub side of one run folder's replica.
+
+    Args:
+        repo: the `HubRepo`.
+        lease: the run's `HubLease` (held: every commit goes through it).
+        replica: the run folder on local disk; its path in the repo is `lease.folder`.
+    """
+
+    def __init__(self, repo: HubRepo, lease: HubLease, replica: Path):
+        self.repo, self.lease, self.replica = repo, lease, Path(replica)
+        self.folder = lease.folder
+        self.calls = 0  # Hub requests made for confirmations (said in status, as the Drive API's)
+        self._small_at = -float("inf")
+        self._listing: tuple[str | None, dict[str, HubFile]] = (None, {})
+
+    def describe(self) -> str:
+        return f"the Hugging Face Hub ({self.repo.address}, folder {self.folder})"
+
+    def repo_path(self, local: Path) -> str:
+        """The path in the repo of a file or folder of the replica."""
+        relative = Path(local).relative_to(self.replica).as_posix()
+        return self.folder if relative == "." else f"{self.folder}/{relative}"
+
+    # -- the start ---------------------------------------------------------------------------------------
+    def ensure_lfs_rule(self) -> None:
+        """Every file of the runs under the address's folder goes to LFS, so that a listing shows each one's
+        sha256 (`verify.py`): the rule is added to the repo's .gitattributes once, by the lease's commit."""
+        rule = lfs_rule(self.repo.address.prefix)
+        current = self.repo.read(GITATTRIBUTES, revision=self.lease.head) or b""
+        if rule.encode() in current.splitlines():
+            return
+        self.lease.commit("colab_kit: LFS for the runs' files",
+                          add={GITATTRIBUTES: current.rstrip(b"\n") + (b"\n" if current else b"") + rule.encode() + b"\n"})
+
+    def pull(self) -> int:
+        """Make the replica hold every file of the run's folder at the lease's head; returns the files
+        downloaded. Raises HubUnavailable when the Hub cannot be read (nothing is decided from a failed read)."""
+        head = self.lease.head
+        listing = self.repo.listing(self.folder, revision=head)
+        wanted = [path for path, listed in listing.items()
+                  if path != self.lease.path and not self._same_locally(path, listed)]
+        if wanted:
+            staging = self.replica.parent / f".pull-{self.replica.name}"
+            self.repo.download(wanted, staging, revision=head)
+            for path in wanted:
+                relative = path[len(self.folder) + 1:] if self.folder else path
+                target = self.replica / relative
+                storage.make_dirs(target.parent)
+                storage.replace(staging / path, target)
+            storage.remove_tree(staging)
+        return len(wanted)
+
+    def _same_locally(self, path: str, listed: HubFile) -> bool:
+        relative = path[len(self.folder) + 1:] if self.folder else path
+        try:
+            data = storage.read_bytes(self.replica / relative)
+        except FileNotFoundError:
+            return False
+        if listed.sha256 is not None:
+            return len(data) == listed.size and hashlib.sha256(data).hexdigest() == listed.sha256
+        return git_blob_id(data) == listed.blob_id
+
+    # -- the tracker and the gate ------------------------------------------------------------------------
+    def confirm(self, folder: Path, manifest: Manifest, *, push: bool = True) -> tuple[bool, int]:
+        """(in the cloud, bytes not shown yet) for the published folder `folder` of the replica whose manifest is
+        `manifest`: committed first (one commit, manifest included) when `push` and the head does not show it.
+
+        Raises:
+            OSError: HubUnavailable (unknown), the replica's copy unreadable, or the lease lost (nothing is
+                committed then: the mirror pauses at its next lease check).
+        """
+        raw = storage.read_bytes(folder / MANIFEST)
+        there = parse_manifest(raw)
+        if there is None or there.files != manifest.files or there.step != manifest.step:
+            raise OSError(f"{folder / MANIFEST} is not the manifest written")
+        where = self.repo_path(folder)
+        self.calls += 1
+        missing = not_shown(where, manifest, raw, self.repo.listing(where))
+        if missing and push:
+            files = self._changed_small()  # the journal rides along: on the Hub it is as new as the checkpoint
+            files.update({f"{where}/{name}": folder / name for name in manifest.files})
+            files[f"{where}/{MANIFEST}"] = raw  # the bytes checked above: never a manifest written since
+            self.lease.commit(f"colab_kit: {folder.name} of {self.replica.name}", add=files)
+            self._small_at = clock.monotonic()
+            self.calls += 1
+            missing = not_shown(where, manifest, raw, self.repo.listing(where))
+        pending = sum(manifest.files[name].size for name in missing if name in manifest.files)
+        return not missing, pending
+
+    def delete(self, folder: Path) -> None:
+        """Remove `folder` (a checkpoint of the replica) from the repo in one commit, then from the replica."""
+        where = self.repo_path(folder)
+        if self.repo.listing(where):
+            self.lease.commit(f"colab_kit: prune {folder.name} of {self.replica.name}", delete=[where + "/"])
+        storage.remove_tree(folder)
+
+    # -- the journal and the small files -----------------------------------------------------------------
+    def sync_small(self, force: bool = False) -> bool:
+        """Commit the run folder's small files (journal, settings, metrics, gauges) that changed; at most once a
+        minute unless `force`. Returns True when the Hub holds them as the replica does now."""
+        if not force and clock.monotonic() - self._small_at < SMALL_EVERY_S:
+            return False
+        changed = self._changed_small()
+        if changed:
+            self.lease.commit(f"colab_kit: journal of {self.replica.name}", add=changed)
+        self._small_at = clock.monotonic()
+        return True
+
+    def _changed_small(self) -> dict[str, bytes]:
+        listing = self.repo.listing(self.folder)
+        changed = {}
+        for entry in storage.list_dir(self.replica):
+            if entry.is_dir() or storage.is_temp_name(entry.name) or entry.name == Path(self.lease.path).name:
+                continue
+            data = storage.read_bytes(Path(entry.path))
+            where = f"{self.folder}/{entry.name}" if self.folder else entry.name
+            listed = listing.get(where)
+            if listed is None or not (hashlib.sha256(data).hexdigest() == listed.sha256 if listed.sha256
+                                      else git_blob_id(data) == listed.blob_id):
+                changed[where] = data
+        return changed
+

@@ -1,0 +1,127 @@
+"""Runs kept on the Hugging Face Hub (issue 40), on the emulated Hub: `ck.start_run(name, store="hf://...")`
+commits each checkpoint, calls it in the cloud only once the Hub lists its files with the manifest's sha256,
+keeps `keep` of them, resumes on a new VM from the Hub, refuses a second runtime while the first lives, and
+runs killed at random moments on a faulty Hub resume exactly. Kaggle picks the Hub by itself."""
+
+import json
+import random
+import shutil
+import signal
+import subprocess
+import time
+
+import harness
+import pytest
+from hub_checks import ever_verified, head_files, hub_checkpoints, verified_on_hub
+
+import colab_kit as ck
+from colab_kit.checkpoints.journal import read_events
+from colab_kit.tasks.demo import tiny_trainer
+
+
+def test_a_run_on_the_hub_is_committed_verified_by_sha256_pruned_and_resumed_on_a_new_vm(hub_env, tmp_path, capsys):
+    hub = hub_env
+    run = ck.start_run("rna", store="hf://user/runs", local_dir=tmp_path / "vm1" / "rna", save_every=5, keep=2,
+                       gauges=False)
+    said = capsys.readouterr().out
+    assert "a replica of the Hugging Face Hub (hf://user/runs, folder rna)" in said and "the Hugging Face Hub: each" in said
+    trainer = tiny_trainer(run, max_steps=20)
+    run.train(trainer)
+    run.save_final(trainer.model)
+    summary = run.finish(timeout=60)
+    assert summary["in_cloud"] is True and summary["cloud_step"] == 20 and summary["durability"] == "hub"
+    events = read_events(tmp_path / "vm1" / "rna.hub" / "events.jsonl")
+    claimed = {e["step"] for e in events if e["event"] == "cloud" and "step" in e}
+    kept = hub_checkpoints(hub, "rna")  # keep=2: the older ones deleted by commits once 20 verified
+    assert 20 in kept and len(kept) == 2 and kept <= claimed <= ever_verified(hub, "rna")
+    assert all(e.get("via") == "hub" for e in events if e["event"] == "cloud")
+    files = head_files(hub)
+    assert verified_on_hub(files, "rna/final")  # final/ too, committed whole and verified
+    # The journal on the Hub is the replica's, to its last line (final/ confirmed), and the lease is released.
+    assert files["rna/events.jsonl"].content == (tmp_path / "vm1" / "rna.hub" / "events.jsonl").read_bytes()
+    assert any(e["event"] == "cloud" and e.get("what") == "final" for e in events)
+    assert json.loads(files["rna/lease.json"].content)["released"]
+
+    # A new VM: nothing on its disk; the run comes back from the Hub and goes on from checkpoint-20.
+    run = ck.start_run("rna", store="hf://user/runs", local_dir=tmp_path / "vm2" / "rna", save_every=5, keep=2,
+                       gauges=False)
+    assert run.resume_from is not None and run.resume_from.name == "checkpoint-20"
+    run.train(tiny_trainer(run, max_steps=25))
+    assert run.finish(timeout=60)["cloud_step"] == 25 and hub_checkpoints(hub, "rna") == {20, 25}
+    assert read_events(tmp_path / "vm2" / "rna.hub" / "events.jsonl")[0]["event"] == "start"  # the journal came back
+
+
+def test_a_second_runtime_is_refused_while_the_first_lives(hub_env, tmp_path):
+    job = harness.Job(tmp_path / "first", steps=400, save_every=5, step_sleep=0.2, drive_root="hf://user/runs",
+                      name="live")
+    first = job.start()
+    try:
+        deadline = time.monotonic() + 120
+        while "live/lease.json" not in head_files(hub_env):  # the first has claimed the run
+            assert first.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        with pytest.raises(ck.LeaseHeldError, match="in use by another runtime"):
+            ck.start_run("live", store="hf://user/runs", local_dir=tmp_path / "second" / "live", gauges=False)
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.communicate(timeout=60)
+
+
+@pytest.mark.slow(70)
+def test_runs_killed_at_random_moments_on_a_faulty_hub_resume_exactly_and_claim_nothing_the_hub_does_not_show(
+        hub_env, tmp_path, shared_tmp):
+    hub = hub_env
+    reference = harness.reference_weights(tmp_path / "ref", "trainer", steps=20, save_every=5, shared=shared_tmp)
+    job = harness.Job(tmp_path / "job", steps=20, save_every=5, step_sleep=0.15, drive_root="hf://user/runs",
+                      name="job", extra=["--keep", "2"])
+    rng = random.Random(40)
+    kills, complete_once = 0, False
+    for cycle in range(8):
+        # The Hub misbehaves a little every time: 5xx and 429s, a commit whose answer never comes, a listing
+        # that misses a file. Each costs time, never a checkpoint nor a claim.
+        hub.faults.fail_next(rng.randint(1, 2), rng.choice([500, 502, 503]), endpoint="commit")
+        hub.faults.fail_next(1, 429, endpoint="tree", retry_after=0)
+        hub.faults.hide_in_listing(r"optimizer\.pt$", n=rng.randint(1, 3))
+        if rng.random() < 0.5:
+            hub.faults.commit_completes_after_client_gives_up(seconds=30.0, drop=rng.random() < 0.5)
+        proc = job.start()
+        try:
+            proc.wait(timeout=rng.uniform(2.5, 7.0))
+            killed = False
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGKILL)
+            killed = True
+        text, _ = proc.communicate(timeout=120)
+        hub.faults.clear()
+        now = hub_checkpoints(hub, "job")
+        complete_once |= bool(now)
+        if complete_once:
+            assert now, f"cycle {cycle}: no checkpoint verifies on the Hub, after one did"
+        claimed = {e["step"] for e in job.local_events() if e["event"] == "cloud"}
+        assert claimed <= ever_verified(hub, "job"), f"cycle {cycle}: claimed {claimed}, never whole on the Hub"
+        kills += killed
+        if not killed:
+            break
+        job.new_vm()  # this VM's disk is gone, its replica of the Hub too
+        shutil.rmtree(job.root / "local.hub", ignore_errors=True)
+    assert kills >= 3, f"only {kills} kills landed"
+    if proc.returncode != 0:  # the last cycle was a kill: let it finish
+        job.new_vm()
+        shutil.rmtree(job.root / "local.hub", ignore_errors=True)
+        code, text = job.run()
+        assert code == 0, text[-3000:]
+    assert harness.max_abs_diff(reference, harness.load_weights(job.root / "final.safetensors")) <= 1e-6
+    assert max(hub_checkpoints(hub, "job")) == 20
+
+
+def test_kaggle_keeps_the_run_on_the_hub_by_itself(hub_env, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("KAGGLE_KERNEL_RUN_TYPE", "Interactive")
+    monkeypatch.delenv("COLAB_KIT_DRIVE", raising=False)
+    run = ck.start_run("k", local_dir=tmp_path / "k", save_every=5, gauges=False)
+    try:
+        said = "".join(capsys.readouterr())  # the summary on stdout, the notice on stderr
+        assert "Kaggle has no Google Drive: the run is kept on the Hugging Face Hub, in hf://user/colab_kit" in said
+        assert f"persistent folder: {tmp_path / 'k.hub'}, a replica of the Hugging Face Hub" in said
+        assert run.durability == "hub" and "k/lease.json" in head_files(hub_env, "user/colab_kit")
+    finally:
+        run.finish(timeout=30)
