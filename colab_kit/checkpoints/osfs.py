@@ -42,6 +42,9 @@ class OsFilesystem:
         with open(path, "rb") as fh:
             return fh.read()
 
+    def open_read(self, path):
+        return open(path, "rb")
+
     def stat(self, path) -> os.stat_result:
         return os.stat(path)
 

@@ -25,6 +25,7 @@ from .osfs import CHUNK, TMP_MARK, OsFilesystem, write_chunk
 
 __all__ = [
     "read_bytes",
+    "open_read",
     "stat",
     "list_dir",
     "getxattr",
@@ -84,6 +85,11 @@ def use_filesystem(fs):
 def read_bytes(path: str | os.PathLike) -> bytes:
     """A whole (small) file: a manifest, the lease, a journal."""
     return _fs.read_bytes(path)
+
+
+def open_read(path: str | os.PathLike):
+    """A file opened for reading in binary (a large file streamed to the Hub); the caller closes it."""
+    return _fs.open_read(path)
 
 
 def stat(path: str | os.PathLike) -> os.stat_result:

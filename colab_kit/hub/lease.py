@@ -107,13 +107,17 @@ class HubLease:
                 self._commit_lease(f"colab_kit: {run_name} claimed by {self.info.host}")
                 break
             except HeadMoved as moved:  # someone committed since the lease was read: is it still what was judged?
-                now = None if takeover else self._lease_at(moved.head, run_name)
-                if not takeover and (now is None) != (previous is None) or now is not None and (
+                head = self._head_after(moved, run_name)
+                now = self._lease_at(head, run_name)
+                if now is not None and now.session == self.info.session:  # this claim landed, its answer lost
+                    self.head = head
+                    break
+                if not takeover and ((now is None) != (previous is None) or now is not None and (
                         now.session, now.heartbeat, now.released) != (previous.session, previous.heartbeat,
-                                                                       previous.released):
+                                                                      previous.released)):
                     raise LeaseHeldError(f"another runtime claimed {self.repo.address}/{self.folder} at the same "
                                          f"moment; run ck.start_run({run_name!r}) again in a minute") from None
-                self.head = moved.head
+                self.head = head
         else:
             raise LeaseHeldError(f"the Hub repo {self.repo.address} moved on {_MOVES} times while this runtime "
                                  f"claimed {self.folder}: run the cell again in a minute")
@@ -121,6 +125,15 @@ class HubLease:
         if taken and self.took_over_because is None:
             self.took_over_because = "asked for (takeover=True)" if takeover else "it was stale"
         return previous if taken else None
+
+    def _head_after(self, moved: HeadMoved, run_name: str) -> str:
+        """The head a claim met instead of its parent (read again when the 412's answer did not say)."""
+        try:
+            return moved.head or self.repo.head()
+        except HubUnavailable as exc:
+            raise LeaseHeldError(f"the Hub repo {self.repo.address} moved while this runtime claimed {self.folder}, "
+                                 f"and its head cannot be read now ({exc}): nothing was taken over. Run this cell "
+                                 f"again in a minute") from exc
 
     def quiet_left(self) -> float:
         """0: a runtime taken over cannot commit after the takeover (the Hub refuses its stale parent)."""
@@ -132,6 +145,9 @@ class HubLease:
             return True
         if previous.host != self.info.host:
             return False
+        if previous.pid == self.info.pid and previous.pid_start == self.info.pid_start:
+            self.took_over_because = "it was this process's own earlier claim (start_run run again)"
+            return True
         stale = lease_staleness(previous, host=self.info.host, process_start=self._process_start)
         self.took_over_because = stale
         return stale is not None
@@ -222,6 +238,8 @@ class HubLease:
             raise HubUnavailable(f"the Hub repo {self.repo.address} moved on {_MOVES} times in a row: not committed now")
 
     def _commit_lease(self, message: str, add: dict | None = None, delete: list[str] = ()) -> str:
+        if self.head is None:  # a commit without a parent would not be fenced
+            raise HubUnavailable("no head of the repo is known where the lease is this runtime's: nothing committed")
         self.info.heartbeat = clock.time()
         files = dict(add or {})
         files[self.path] = json.dumps(asdict(self.info)).encode()
@@ -235,7 +253,7 @@ class HubLease:
         try:
             head = head or self.repo.head()
             current = self._lease_at(head, "NAME")
-        except (HubUnavailable, LeaseHeldError):
+        except (OSError, LeaseHeldError):  # HubUnavailable, or another answer (401, 404): unknown, never lost
             return None
         if current is None:
             return None  # a lease missing from one read is not a loss
@@ -255,7 +273,7 @@ class HubLease:
             return True
         try:
             head = self.repo.head()
-        except HubUnavailable:
+        except OSError:  # HubUnavailable, or another answer (a revoked token): unknown
             return None
         try:
             held = True if head == self.head else self._held_at(head)
@@ -281,7 +299,7 @@ class HubLease:
         except LeaseLost as exc:
             on_lost(exc.holder)
             return False
-        except HubUnavailable as exc:  # unknown is not lost: the next beat tries again
+        except OSError as exc:  # HubUnavailable or another answer: unknown is not lost, the next beat tries again
             log.debug("lease heartbeat failed: %s", exc)
             if on_error:
                 on_error(exc)
@@ -307,6 +325,6 @@ class HubLease:
         self.info.released = True
         try:
             self.commit("colab_kit: lease released")
-        except (LeaseLost, HubUnavailable) as exc:
+        except OSError as exc:  # LeaseLost, HubUnavailable, another answer
             log.warning("could not release the lease of %s: %s (another runtime takes it after watching it)",
                         self.folder, exc)

@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..checkpoints import storage
 from ..checkpoints.clock import Late, clock
 from .address import HubAddress
 
@@ -71,24 +73,47 @@ def _retry_after(exc: BaseException) -> float | None:
         return None
 
 
+_BARS = threading.Lock()
+_quiet = {"count": 0, "were_off": False}
+
+
 @contextlib.contextmanager
 def _no_progress_bars():
-    """The client's progress bars off while a commit uploads: they would be drawn from the uploader's thread into
-    whatever cell the notebook runs. (The client's switch is process-wide: a download the user starts in these
-    seconds shows no bar either.)"""
+    """The client's progress bars off while the kit talks to the Hub: they would be drawn from the uploader's
+    thread into whatever cell the notebook runs. The client's switch is process-wide, so it is counted: the
+    bars come back when the last such call ends (a download the user starts meanwhile shows no bar either)."""
     from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
 
-    was = are_progress_bars_disabled()
-    disable_progress_bars()
+    with _BARS:
+        if _quiet["count"] == 0:
+            _quiet["were_off"] = are_progress_bars_disabled()
+            disable_progress_bars()
+        _quiet["count"] += 1
     try:
         yield
     finally:
-        if not was:
-            enable_progress_bars()
+        with _BARS:
+            _quiet["count"] -= 1
+            if _quiet["count"] == 0 and not _quiet["were_off"]:
+                enable_progress_bars()
+
+
+class _MainThreadOnly(logging.Filter):
+    """The client's own log lines ("Retrying in 2s") from the kit's background threads are dropped: they would
+    land in the notebook's output; the kit says what the Hub's trouble costs itself."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return threading.current_thread() is threading.main_thread()
+
+
+def _quiet_client_log() -> None:
+    hub_log = logging.getLogger("huggingface_hub")
+    if not any(isinstance(f, _MainThreadOnly) for f in hub_log.filters):
+        hub_log.addFilter(_MainThreadOnly())
 
 
 def _size(src) -> int:
-    return len(src) if isinstance(src, (bytes, bytearray)) else Path(src).stat().st_size
+    return len(src) if isinstance(src, (bytes, bytearray)) else storage.stat(src).st_size
 
 
 def _no_answer(exc: BaseException) -> bool:
@@ -110,14 +135,19 @@ class HubRepo:
         waits: the pauses between tries of one call (then `HubUnavailable`).
         commit_wait: (seconds, bytes per second): a commit's answer is waited for that long plus its bytes at
             that rate (its LFS uploads happen inside it), then taken for lost (the client itself waits forever).
+        read_wait: seconds a read is waited for (the client gives most of its calls no timeout).
     """
 
     def __init__(self, address: HubAddress, token: str, *, endpoint: str | None = None,
-                 waits: tuple[float, ...] = (1.0, 2.0, 4.0, 8.0), commit_wait: tuple[float, float] = (60.0, 1e6)):
+                 waits: tuple[float, ...] = (1.0, 2.0, 4.0, 8.0), commit_wait: tuple[float, float] = (60.0, 1e6),
+                 read_wait: float = 60.0):
         from huggingface_hub import HfApi
 
-        self.address, self.waits, self.commit_wait = address, waits, commit_wait
+        self.address, self.waits, self.commit_wait, self.read_wait = address, waits, commit_wait, read_wait
         self.api = HfApi(endpoint=endpoint, token=token)
+        self._sending = 0  # commit tries still running (one whose answer was waited for no longer may go on)
+        self._sending_lock = threading.Lock()
+        _quiet_client_log()
 
     # -- reads -------------------------------------------------------------------------------------------
     def create(self) -> None:
@@ -155,8 +185,9 @@ class HubRepo:
 
         def fetch():
             try:
-                return Path(self.api.hf_hub_download(self.address.repo_id, path, revision=revision,
-                                                     repo_type=self.address.repo_type)).read_bytes()
+                with _no_progress_bars():
+                    return storage.read_bytes(self.api.hf_hub_download(self.address.repo_id, path, revision=revision,
+                                                                       repo_type=self.address.repo_type))
             except LocalEntryNotFoundError as exc:  # the Hub did not answer, and nothing is cached: unknown
                 raise HubUnavailable(f"cannot read {path} on the Hub: {exc}") from exc
             except EntryNotFoundError:  # the Hub answered 404 (the local kind is caught above: it subclasses it)
@@ -168,10 +199,13 @@ class HubRepo:
         """Download `paths` (at `revision`, so that they are one checkpoint's) into `dest`, keeping their layout
         under the address's folder. A stalled transfer ends at the client's read timeout and is tried again
         (the client resumes a partial file)."""
+        def fetch(path):
+            with _no_progress_bars():
+                return self.api.hf_hub_download(self.address.repo_id, path, revision=revision,
+                                                repo_type=self.address.repo_type, local_dir=dest)
+
         for path in paths:
-            self._patiently(lambda: self.api.hf_hub_download(self.address.repo_id, path, revision=revision,
-                                                             repo_type=self.address.repo_type, local_dir=dest),
-                            f"download {path}")
+            self._patiently(lambda: fetch(path), f"download {path}", wait=None)  # the client's read timeout bounds it
 
     def commits_since(self, parent: str) -> list:
         """The commits on `main` after `parent`, newest first (all of them when `parent` is not in the history)."""
@@ -201,9 +235,23 @@ class HubRepo:
         seconds, rate = self.commit_wait
         patience = seconds + sum(_size(src) for src in (add or {}).values()) / rate
 
-        def send():  # new operation objects each try: the client marks them, and a lost try may still run
+        with self._sending_lock:
+            if self._sending:
+                raise HubUnavailable("an earlier commit is still on its way to the Hub (its answer was waited for no "
+                                     "longer): nothing more is sent until it ends")
+
+        def send():  # new operation objects each try: the client marks them
+            with self._sending_lock:
+                self._sending += 1
+            try:
+                return attempt()
+            finally:
+                with self._sending_lock:
+                    self._sending -= 1
+
+        def attempt():
             with contextlib.ExitStack() as files, _no_progress_bars():
-                adds = [CommitOperationAdd(path_in_repo=p, path_or_fileobj=files.enter_context(open(src, "rb"))
+                adds = [CommitOperationAdd(path_in_repo=p, path_or_fileobj=files.enter_context(storage.open_read(src))
                                            if isinstance(src, Path) else src) for p, src in (add or {}).items()]
                 for operation in adds:
                     self.api.preupload_lfs_files(self.address.repo_id, [operation], repo_type=self.address.repo_type)
@@ -228,8 +276,8 @@ class HubRepo:
                 head = self._head_or_none()
                 if head is not None and head != parent:
                     raise HeadMoved(head) from exc
-                if wait is None:
-                    raise HubUnavailable(f"the Hub did not take a commit ({message}): {exc}") from exc
+                if wait is None or self._sending:  # never a second upload beside one still running
+                    raise HubUnavailable(f"the Hub did not take a commit ({message}) now: {exc}") from exc
                 log.info("commit %r: no answer (%s); trying again in %.0f s", message, exc, wait)
                 clock.sleep(_retry_after(exc) or wait)
         raise AssertionError("unreachable")
@@ -250,16 +298,18 @@ class HubRepo:
         except HubUnavailable:
             return None
 
-    def _patiently(self, call, what: str):
-        """`call()`, tried again after 429/5xx and lost answers; `HubUnavailable` once the waits are spent."""
-        for wait in (*self.waits, None):
+    def _patiently(self, call, what: str, wait: float | None | bool = True):
+        """`call()`, waited for `read_wait` seconds at most (`wait=None`: as long as the client takes), tried again
+        after 429/5xx and lost answers; `HubUnavailable` once the waits are spent."""
+        seconds = self.read_wait if wait is True else wait
+        for pause in (*self.waits, None):
             try:
-                return call()
+                return clock.within(seconds, call, name="colab_kit-hub-read")
             except Exception as exc:  # noqa: BLE001 - what is not the Hub's trouble is raised as it is
-                if not _no_answer(exc):
+                if not isinstance(exc, Late) and not _no_answer(exc):
                     raise
-                if wait is None:
+                if pause is None:
                     raise HubUnavailable(f"cannot {what} on the Hub ({self.address}): {exc}") from exc
-                log.info("cannot %s on the Hub (%s); trying again in %.0f s", what, exc, wait)
-                clock.sleep(_retry_after(exc) or wait)
+                log.info("cannot %s on the Hub (%s); trying again in %.0f s", what, exc, pause)
+                clock.sleep(_retry_after(exc) or pause)
         raise AssertionError("unreachable")

@@ -78,8 +78,10 @@ class HubStore:
         downloaded. Raises HubUnavailable when the Hub cannot be read (nothing is decided from a failed read)."""
         head = self.lease.head
         listing = self.repo.listing(self.folder, revision=head)
+        listing.update(self.repo.listing(self.folder, revision=head))  # absence is not evidence: a second look
         wanted = [path for path, listed in listing.items()
                   if path != self.lease.path and not self._same_locally(path, listed)]
+        wanted += self._unlisted(listing, head)
         if wanted:
             staging = self.replica.parent / f".pull-{self.replica.name}"
             self.repo.download(wanted, staging, revision=head)
@@ -90,6 +92,28 @@ class HubStore:
                 storage.replace(staging / path, target)
             storage.remove_tree(staging)
         return len(wanted)
+
+    def _unlisted(self, listing: dict[str, HubFile], head: str) -> list[str]:
+        """The files a checkpoint's manifest names that the listing does not show: a listing that misses a file
+        proves nothing, so each is asked for by name at the head (a commit's tree never changes: the Hub's answer
+        there stands), and those it has are downloaded too. Without this a checkpoint whole on the Hub would look
+        unfinished in the replica, and the run would resume from an older one."""
+        prefix = f"{self.folder}/" if self.folder else ""
+        folders = {path.rsplit("/", 1)[0] for path in listing if path.startswith(f"{prefix}checkpoints/")
+                   or path.startswith(f"{prefix}final/")}
+        named = [f"{prefix}events.jsonl"] if f"{prefix}events.jsonl" not in listing else []  # the journal
+        for folder in sorted(folders):
+            raw = self.repo.read(f"{folder}/{MANIFEST}", revision=head)  # asked by name, listed or not
+            manifest = parse_manifest(raw) if raw is not None else None
+            if manifest is not None:
+                named += [f"{folder}/{name}" for name in (*manifest.files, MANIFEST)
+                          if f"{folder}/{name}" not in listing]
+        there = []
+        for path in named:
+            data = self.repo.read(path, revision=head)
+            if data is not None:
+                there.append(path)
+        return there
 
     def _same_locally(self, path: str, listed: HubFile) -> bool:
         relative = path[len(self.folder) + 1:] if self.folder else path

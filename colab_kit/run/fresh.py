@@ -18,7 +18,8 @@ from pathlib import Path
 
 from ..checkpoints import looks, storage, validity
 from ..checkpoints.checkpoint import ARCHIVE, CHECKPOINTS, list_checkpoints, step_of
-from ..errors import CheckpointError, DriveError
+from ..drive.drivefs import HUB
+from ..errors import CheckpointError, ColabKitError, DriveError
 from .registry import TrainClock
 
 __all__ = ["archive_checkpoints", "resume_argument", "start_over"]
@@ -100,6 +101,10 @@ def start_over(run) -> None:
     if had is None or not run.ranks.writer:  # nothing to move; rank 0 moves the folder for every rank
         _forget_resume(run)
         return
+    if run.durability == HUB:  # the replica's checkpoints would be moved aside, the Hub's not: refused
+        raise ColabKitError(f"resume_from_checkpoint=False on a run kept on the Hugging Face Hub: a fresh start over "
+                            f"its checkpoints is not supported yet (up to step {had}); nothing was moved. Give the run "
+                            f"a new name in start_run, or delete {run.name}/ in the repo first")
     if not run.mirror.drain(timeout=_DRAIN_S):
         raise DriveError(f"resume_from_checkpoint=False: checkpoints of {run.drive_dir} are still being written "
                          f"(steps {run.mirror.pending_steps}), so they were not archived and nothing was started. "

@@ -87,3 +87,18 @@ def test_a_lease_that_cannot_be_read_is_never_taken_over(hub, make_repo):
         second.acquire(run_name="rna")
     hub.faults.clear()
     assert holder(hub)["session"] == first.info.session and len(hub.state.commit_log(REPO)) == 2
+
+
+def test_an_answer_other_than_yes_or_no_is_unknown_and_keeps_the_heartbeat(hub, make_repo):
+    """A revoked token (401) or a revision the Hub does not know now is not a lost lease: `check` says unknown,
+    and the heartbeat goes on (it used to end its thread with the traceback in the notebook)."""
+    ours = lease(make_repo(), "vm-1", heartbeat_s=0.01)
+    ours.acquire(run_name="rna")
+    ours._checked_at = -float("inf")
+    hub.faults.fail_next(20, 401, endpoint="repo_info")
+    assert ours.check() is None
+    hub.faults.fail_next(20, 401, endpoint="commit")
+    lost = []
+    assert ours.step(lost.append) is True and lost == [] and not ours.lost
+    hub.faults.clear()
+    assert ours.check() is True

@@ -4,6 +4,7 @@ backed off, a moved head is a `HeadMoved`, and "in the cloud" is what the listin
 
 import hashlib
 import json
+import time
 
 import pytest
 
@@ -85,3 +86,30 @@ def test_reads_say_what_is_there_and_a_missing_file_is_none(hub, make_repo):
     assert set(repo.listing("rna")) == {"rna/lease.json"} and repo.listing("nothing-here") == {}
     assert repo.read("rna/lease.json", revision=head) == b'{"a": 1}'
     assert repo.read("rna/missing.json", revision=head) is None
+
+
+def test_a_stalled_read_is_cut_short_and_said_unknown(hub, make_repo):
+    """The client gives most calls no timeout: a Hub that accepts the connection and never answers would hold
+    start_run (or the uploader) for good. The kit waits `read_wait` per try, then the read is unknown."""
+    repo = make_repo(read_wait=0.5)
+    hub.faults.stall(30.0, n=10, endpoint="repo_info")
+    with pytest.raises(HubUnavailable, match="cannot read the repo's head"):
+        repo.head()
+    hub.faults.clear()
+
+
+def test_a_commit_still_on_its_way_is_never_sent_twice(hub, make_repo):
+    """A commit whose answer is late is not sent again beside it (a slow link would pile up uploads): the next
+    try is refused while it runs; once it lands, it is found by its mark."""
+    repo = make_repo(commit_wait=(0.5, 1e9))
+    parent = repo.head()
+    hub.faults.stall(2.0, n=1, endpoint="commit")  # held before the Hub applies it
+    add, _, _ = checkpoint("rna/checkpoints/checkpoint-5")
+    with pytest.raises(HubUnavailable, match="did not take a commit"):
+        repo.commit("checkpoint-5", parent=parent, add=add)
+    with pytest.raises(HubUnavailable, match="still on its way"):
+        repo.commit("checkpoint-5", parent=parent, add=add)
+    deadline = time.monotonic() + 10
+    while hub.state.head(REPO) == parent and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert hub.state.count("commit", "POST") == 1 and len(hub.state.commit_log(REPO)) == 2

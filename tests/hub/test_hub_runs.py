@@ -125,3 +125,23 @@ def test_kaggle_keeps_the_run_on_the_hub_by_itself(hub_env, tmp_path, monkeypatc
         assert run.durability == "hub" and "k/lease.json" in head_files(hub_env, "user/colab_kit")
     finally:
         run.finish(timeout=30)
+
+
+def test_a_fresh_start_over_a_run_on_the_hub_is_refused_and_changes_nothing(hub_env, tmp_path):
+    """resume=False / resume_from_checkpoint=False would move the replica's checkpoints aside while the Hub keeps
+    them: the next VM would bring the old run back beside the new one. Refused, saying what to do."""
+    run = ck.start_run("old", store="hf://user/runs", local_dir=tmp_path / "old", save_every=5, gauges=False,
+                       quiet=True)
+    run.train(tiny_trainer(run, max_steps=5))
+    run.finish(timeout=60)
+    with pytest.raises(ValueError, match="a fresh start over a run kept on the Hub is not supported yet"):
+        ck.start_run("old", store="hf://user/runs", local_dir=tmp_path / "old", resume=False, gauges=False)
+    run = ck.start_run("old", store="hf://user/runs", local_dir=tmp_path / "old", save_every=5, gauges=False,
+                       quiet=True)
+    before = hub_checkpoints(hub_env, "old")
+    try:
+        with pytest.raises(ck.ColabKitError, match="resume_from_checkpoint=False on a run kept on the Hugging Face"):
+            run.train(tiny_trainer(run, max_steps=5), resume_from_checkpoint=False)
+        assert hub_checkpoints(hub_env, "old") == before == {5}
+    finally:
+        run.finish(timeout=60)
