@@ -21,6 +21,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sim"))
 
+from hub_rules import HUB_RULES  # noqa: E402
+from hubworld import HubWorld  # noqa: E402
 from old_rules import OLD_RULES, patched  # noqa: E402
 from simulate import report, run_seeds  # noqa: E402
 
@@ -69,3 +71,31 @@ def test_the_simulator_finds_each_old_rule_by_itself(rule):
         failed, totals = run_seeds(range(SEARCH), stop_at_first=True)
         assert failed, f"the old rule {rule} was put back, and {totals['schedules']} schedules found nothing"
         print(f"old rule {rule}: found after {totals['schedules']} schedules\n" + report(failed[0], shrunk=False))
+
+
+# The Hub world (issue 40): the same schedules with the run kept on the Hugging Face Hub (tests/sim/hubworld.py).
+HUB_SCHEDULES = int(os.environ.get("COLAB_KIT_HUB_SIMULATIONS", "1000"))
+
+
+@pytest.mark.slow(30)
+@pytest.mark.parametrize("chunk", range(2))
+def test_no_invariant_breaks_with_the_run_on_a_faulty_hub(chunk):
+    seeds = range(chunk * HUB_SCHEDULES // 2, (chunk + 1) * HUB_SCHEDULES // 2)
+    failed, totals = run_seeds(seeds, world=HubWorld)
+    assert not failed, report(failed[0])
+    assert totals["resumes"] > len(seeds) // 10 and totals["long"] >= len(seeds) // 250
+    met = totals["happened"]  # the Hub's faults, each met many times, and the Drive world's own kinds
+    assert all(met.get(kind, 0) >= len(seeds) // 25 for kind in (
+        "hub commit answers lost", "hub listings missing a file", "hub requests failed", "hub outages",
+        "hub download outages", "steps saved twice", "skewed clocks", "clocks set back")), met
+    print(f"hub chunk {chunk}: {totals['schedules']} schedules, {totals['virtual_hours']:.0f} virtual hours, "
+          f"{totals['starts']} starts, {totals['resumes']} resumes, {met}, in {totals['seconds']:.1f} s")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rule", sorted(HUB_RULES))
+def test_the_hub_world_finds_each_careless_rule_by_itself(rule):
+    with patched(rule, HUB_RULES):
+        failed, totals = run_seeds(range(3000), stop_at_first=True, world=HubWorld)
+        assert failed, f"the rule {rule} was put in, and {totals['schedules']} Hub schedules found nothing"
+        print(f"rule {rule}: found after {totals['schedules']} schedules\n" + report(failed[0], shrunk=False))

@@ -10,6 +10,7 @@ against the cloud as it is at that moment.
 from __future__ import annotations
 
 import errno
+import io
 import hashlib
 import os
 import stat as _stat
@@ -131,6 +132,9 @@ class MemFs:
 
     def read_tail(self, path, size: int) -> bytes:
         return self.read_bytes(path)[-size:]
+
+    def open_read(self, path):
+        return io.BytesIO(self.read_bytes(path))
 
     def stat(self, path):
         drive, path = self._where(path)

@@ -9,8 +9,6 @@ Each is a function of a `patch(owner, name, value)` (pytest's monkeypatch.setatt
 from __future__ import annotations
 
 import contextlib
-import errno
-import logging
 
 from colab_kit.checkpoints.clock import clock
 from colab_kit.checkpoints import search, snapshot, storage, validity
@@ -202,15 +200,15 @@ OLD_RULES = {"1-absence": absence_is_a_fact, "3-settle": settle_rule, "4-heartbe
 
 
 @contextlib.contextmanager
-def patched(rule: str):
-    """Run the block with the old rule `rule` (a key of OLD_RULES) in place."""
+def patched(rule: str, rules: dict | None = None):
+    """Run the block with the old rule `rule` (a key of OLD_RULES, or of `rules`: hub_rules.HUB_RULES) in place."""
     undo = []
 
     def patch(owner, name, value):
         undo.append((owner, name, getattr(owner, name)))
         setattr(owner, name, value)
 
-    OLD_RULES[rule](patch)
+    (rules or OLD_RULES)[rule](patch)
     try:
         yield
     finally:
