@@ -51,6 +51,8 @@ class HubStore:
         self.repo, self.lease, self.replica = repo, lease, Path(replica)
         self.folder = lease.folder
         self.calls = 0  # Hub requests made for confirmations (said in status, as the Drive API's)
+        self.say = None  # the run's notices (shown on the main thread): the quota truth, said once
+        self._quota_said = False
         self._small_at = -float("inf")
         self._listing: tuple[str | None, dict[str, HubFile]] = (None, {})
 
@@ -157,6 +159,12 @@ class HubStore:
         where = self.repo_path(folder)
         if self.repo.listing(where):
             self.lease.commit(f"colab_kit: prune {folder.name} of {self.replica.name}", delete=[where + "/"])
+            if self.say is not None and not self._quota_said:
+                self._quota_said = True
+                self.say(f"{folder.name} was deleted from {self.repo.address}'s main branch, as keep asks; its files "
+                         f"stay in the repo's history and count against your Hub storage quota until the history is "
+                         f"squashed (the kit never does that by itself): HfApi().super_squash_history("
+                         f"{self.repo.address.repo_id!r}, repo_type={self.repo.address.repo_type!r})")
         storage.remove_tree(folder)
 
     # -- the journal and the small files -----------------------------------------------------------------

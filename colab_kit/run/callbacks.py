@@ -192,11 +192,11 @@ class SaveScheduleCallback(TrainerCallback):
             if expected and expected > since > 0:
                 self._told = True
                 self._journal_interval(since, expected, asked_steps=self.run.save_every_steps)
+                cloud, minutes = cloud_name(self.run.mirror.tracker.kind), max(1, round(STRETCH * expected / 60))
                 self.run.notices.add(
                     f"{self._drive_speed(expected)}, but saves come every {format_age(since)} "
                     f"({self.run.save_every_steps} steps): newer checkpoints replace ones still waiting "
-                    f"for Drive. A duration such as save_every=\"{max(1, round(STRETCH * expected / 60))}min\" "
-                    f"stretches by itself")
+                    f"for {cloud}. A duration such as save_every=\"{minutes}min\" stretches by itself")
         self._last_save_seconds = self.run.clock.seconds
         self._last_saved_step = state.global_step
 

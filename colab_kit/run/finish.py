@@ -160,6 +160,7 @@ def _finish_again(run, deadline: float | None, flush: bool) -> dict:
         _within(deadline, run.journal.flush)
         _within(deadline, lambda: run.mirror.sync_store(force=True))
     summary = run.status() | {k: run._summary[k] for k in ("status", "synced")} | {"in_cloud": _in_cloud(run)}
+    run.notices.show()  # what the uploads and deletions since the first finish had to say
     report(run, summary, again=True)
     if flush:
         flush_drive(run)

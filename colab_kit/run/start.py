@@ -169,6 +169,8 @@ def start_run(name: str, *, drive: str | os.PathLike | None = None, local_dir: s
                                             save_every_steps=save_every_steps, gauges=gauges, ladder=ladder,
                                             pace_bps=pace_bps, ranks=ranks, replaced=replaced, save_every=save_every,
                                             hub=hub, said=early)
+        if hub is not None:
+            hub.say = run.notices.add  # the Hub's quota truth, said once at the first deletion
     except KeyboardInterrupt:  # the stop button: open_claimed stopped its uploader and let the lease go
         print(stopped_opening(name, drive_dir, replaced), flush=True)
         raise
