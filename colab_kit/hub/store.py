@@ -54,7 +54,6 @@ class HubStore:
         self.say = None  # the run's notices (shown on the main thread): the quota truth, said once
         self._quota_said = False
         self._small_at = -float("inf")
-        self._listing: tuple[str | None, dict[str, HubFile]] = (None, {})
 
     def describe(self) -> str:
         return f"the Hugging Face Hub ({self.repo.address}, folder {self.folder})"

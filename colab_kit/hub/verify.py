@@ -17,7 +17,7 @@ import hashlib
 from ..checkpoints.manifest import MANIFEST, Manifest
 from .repo import HubFile
 
-__all__ = ["git_blob_id", "shows_checkpoint", "not_shown", "GITATTRIBUTES", "lfs_rule"]
+__all__ = ["git_blob_id", "not_shown", "GITATTRIBUTES", "lfs_rule"]
 
 GITATTRIBUTES = ".gitattributes"
 
@@ -53,7 +53,3 @@ def not_shown(folder: str, manifest: Manifest, manifest_bytes: bytes, listing: d
     if listed is None or not _same_content(listed, manifest_bytes):
         missing.append(MANIFEST)
     return missing
-
-
-def shows_checkpoint(folder: str, manifest: Manifest, manifest_bytes: bytes, listing: dict[str, HubFile]) -> bool:
-    return not not_shown(folder, manifest, manifest_bytes, listing)

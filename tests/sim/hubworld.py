@@ -101,24 +101,7 @@ class HubWorld(World):
             self.note(f"{rt} stopped: {type(exc).__name__}: {str(exc)[:100]}")
             self.at(self.clock.t + s.retry_s, "open", rt, False)
             return
-        self.invariants.check_resume(rt, found, truth)
-        self.resumes += found is not None
-        rt.run = run
-        rt.step = found.step if found is not None else 0
-        rt.resumed = found.step if found is not None else None
-        self._watch_journal(rt)
-        self.note(f"{rt} on {rt.vm.name} resumes from {found.step if found else 'nothing'} (hub)")
-        self.at(self.clock.t, "mirror", rt)
-        self.at(self.clock.t + s.heartbeat_s, "beat", rt)
-        self.at(self.clock.t + s.interval_s * (0.5 + self.rng.random()), "save", rt)
-
-    def _refused(self, rt, exc) -> None:
-        self.refusals += 1
-        self.note(f"{rt} refused: {type(exc).__name__}: {str(exc)[:90]}")
-        if any(other.run is not None for other in self.live() if other is not rt):
-            self._end(rt)
-        else:
-            self.at(self.clock.t + self.s.retry_s, "open", rt, False)
+        self._opened(rt, run, found, truth)
 
     # The Drive world's faults, as the Hub has them.
     def _on_hide(self, seconds, under: str = "/") -> None:
@@ -162,14 +145,7 @@ class HubInvariants(Invariants):
         return self._complete
 
     def _view_lease(self, rt):
-        entry = self._files().get("run/lease.json")
-        if entry is None:
-            return None
-        try:
-            lease = json.loads(entry.content)
-            return lease["session"], bool(lease.get("released"))
-        except (ValueError, KeyError, TypeError):
-            return None
+        return _lease(self._files())  # the Hub's head is what every runtime sees
 
     def before_change(self, op: str, path: str, data: bytes | None = None) -> None:
         return  # no Drive folder here: what changes the run is a commit (`before_commit`)

@@ -256,12 +256,7 @@ class World(TrainerSaves, WindDown):
             storage.make_dirs(RUN_DIR / "checkpoints")
             previous = lease.acquire(takeover=bool(takeover), run_name="run")
         except (LeaseHeldError, DriveError, OSError) as exc:
-            self.refusals += 1
-            self.note(f"{rt} refused: {type(exc).__name__}: {str(exc)[:90]}")
-            if any(other.run is not None for other in self.live() if other is not rt):
-                self._end(rt)  # another runtime runs the run: the user reads the message and leaves it
-            else:
-                self.at(self.clock.t + s.retry_s, "open", rt, False)
+            self._refused(rt, exc)
             return
         finally:
             rt.acquiring = False
@@ -277,6 +272,21 @@ class World(TrainerSaves, WindDown):
             self.note(f"{rt} stopped: {str(exc)[:100]}")
             self.at(self.clock.t + s.retry_s, "open", rt, False)
             return
+        self._opened(rt, run, found, truth)
+
+    def _refused(self, rt: Runtime, exc: BaseException) -> None:
+        """`rt` could not claim the run: said, then it tries again later, unless another runtime runs the run
+        (the user reads the message and leaves it)."""
+        self.refusals += 1
+        self.note(f"{rt} refused: {type(exc).__name__}: {str(exc)[:90]}")
+        if any(other.run is not None for other in self.live() if other is not rt):
+            self._end(rt)
+        else:
+            self.at(self.clock.t + self.s.retry_s, "open", rt, False)
+
+    def _opened(self, rt: Runtime, run, found, truth: set[int]) -> None:
+        """`rt` opened the run (`open_claimed` returned): its resume judged, then its workers and saves begin."""
+        s = self.s
         self.invariants.check_resume(rt, found, truth)
         self.resumes += found is not None
         rt.run = run
