@@ -38,16 +38,43 @@ def _no_fuse(reason: str):
     pytest.skip(f"the DriveFS emulator needs FUSE: {reason}")
 
 
-def pytest_collection_modifyitems(items):
+# No test may hang the suite (pytest-timeout, `timeout` in pyproject.toml, 300 s for any test): a test marked
+# `slow(seconds)` gets TIMEOUT_FACTOR times its measured length on 2 cores, at least that. The factor covers
+# a machine half as fast as the one measured, with the other workers' load on top.
+TIMEOUT_FACTOR = 4
+
+
+def _measured_s(item) -> float:
+    slow = item.get_closest_marker("slow")
+    return float(slow.args[0]) if slow is not None and slow.args else 0.0
+
+
+def pytest_collection_modifyitems(config, items):
     """The long tests (marked slow: subprocesses, notebooks, emulated Drives) first, the longest of them
     (`slow(seconds)`, measured on 2 cores) before the others: with several workers the short ones then fill
-    the gaps at the end, instead of one long test running alone."""
+    the gaps at the end, instead of one long test running alone. Each long test's time limit follows its
+    measured length."""
+    default = float(config.getini("timeout") or 0)
+    for item in items:
+        limit = TIMEOUT_FACTOR * _measured_s(item)
+        if default and limit > default and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(limit))
+    items.sort(key=lambda item: (item.get_closest_marker("slow") is None, -_measured_s(item)))
 
-    def order(item):
-        slow = item.get_closest_marker("slow")
-        return (slow is None, -(slow.args[0] if slow is not None and slow.args else 0))
 
-    items.sort(key=order)
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A test stopped by pytest-timeout says why it was stopped, beside the stacks the plugin prints."""
+    report = yield
+    if report.failed and call.excinfo is not None and "Timeout (>" in str(call.excinfo.value):
+        limit = _measured_s(item)
+        report.sections.append(("why it was stopped", (
+            f"{item.nodeid} ran past its time limit and was stopped so that it cannot hang the suite: "
+            + (f"it is marked slow({limit:g}) (its length measured on 2 cores), and its limit is "
+               f"{TIMEOUT_FACTOR} times that" if limit else "the limit is pyproject.toml's `timeout`")
+            + ". The stacks above show where it waited: a hang, or a test grown longer than its mark says "
+              "(then measure it again and mend the mark).")))
+    return report
 
 
 @pytest.fixture(autouse=True)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from drive_api_server import DriveApiServer
-from drivefs_emulator import trash_index
+from drive_items import trash_index
 
 import colab_kit as ck
 from colab_kit.checkpoints.checkpoint import list_checkpoints

@@ -9,7 +9,7 @@ import json
 
 import pytest
 from drive_api_server import DriveApiServer
-from drivefs_emulator import cloud_id, trash_index
+from drive_items import cloud_id, trash_index
 
 from colab_kit.drive.driveapi import AmbiguousFolder, ApiUnavailable, DriveApi, quote
 

@@ -7,7 +7,7 @@ The real `google-api-python-client` talks to it (`client_options={"api_endpoint"
 anonymous credentials), so the kit's own code path runs unchanged. What it serves is what the
 emulator's mount has uploaded: an item exists here once its upload reached the cloud folder, with
 the md5 and size of the bytes there, as Drive's servers report them. Ids are the emulator's
-(`drivefs_emulator.cloud_id`), so `user.drive.id` on the mount names the same item.
+(`drive_items.cloud_id`), so `user.drive.id` on the mount names the same item.
 
 The subset the kit calls:
 - `GET  /drive/v3/files?q=...&fields=...&pageSize=...&pageToken=...` (files.list). `q` is a
@@ -36,7 +36,7 @@ from datetime import datetime, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlparse
 
-from drivefs_emulator import cloud_id, trash_index
+from drive_items import cloud_id, trash_index
 
 FOLDER = "application/vnd.google-apps.folder"
 _TERM = re.compile(r"""\s*(?:'(?P<value>(?:[^'\\]|\\.)*)'\s+in\s+parents

@@ -52,6 +52,7 @@ import time
 import uuid
 
 import mfusepy as fuse
+from drive_items import cloud_id, trash_index
 
 ATTRS = ("user.drive.uncommitted", "user.drive.id", "user.drive.md5")
 CHUNK = 256 << 10
@@ -486,21 +487,6 @@ class DriveFS(fuse.Operations):
 
     def setxattr(self, path, name, value, options, position=0):
         raise fuse.FuseOSError(errno.ENOTSUP)
-
-
-def cloud_id(cloud: str, path: str) -> str:
-    """An item's id: the same in the mount's `user.drive.id` and in the emulated Drive API
-    (tests/scripts/drive_api_server.py), which serves the same cloud folder. Stable across renames
-    (the inode); a new upload of a file is a new inode here, a new revision on Drive (ids are only
-    compared within one listing)."""
-    if os.path.abspath(path) == os.path.abspath(cloud):
-        return "cloud-root"
-    return f"cloud-{os.stat(path).st_ino}"
-
-
-def trash_index(trash: str) -> str:
-    """Where the emulator notes each trashed item's id, parent and name (one JSON line each)."""
-    return os.path.abspath(trash).rstrip("/") + ".index.jsonl"
 
 
 def _debug(*args) -> None:
