@@ -125,18 +125,18 @@ def test_disconnects_during_an_upload_backlog_never_lose_the_cloud_checkpoint(tm
 FAULTS = "eio=0.01,vanish=0.02,stall=0.005:3,enotconn=0.002"
 
 
-# Without attributes on a faulty Drive: the simulator's "none" and "other" modes (thousands of schedules) and
-# test_without_attributes_the_ladder_keeps_one_in_the_cloud_and_stays_bounded (the real mount) cover it in the test
-# command; this real-FUSE variant (about 2 minutes) runs in every .ci/run, in a step of its own beside the 10,000
-# simulated schedules (COLAB_KIT_FULL_E2E=1), which keeps the test command under 12 minutes.
-NO_ATTRIBUTES = pytest.param(False, id="no-attributes", marks=pytest.mark.skipif(
-    not os.environ.get("COLAB_KIT_FULL_E2E"), reason="about 2 minutes: .ci/run runs it in every run "
-    "(COLAB_KIT_FULL_E2E=1); here a mount without attributes is covered by the simulator and by "
-    "test_without_attributes_the_ladder_keeps_one_in_the_cloud"))
+# The real FUSE mount with faults injected, with and without attributes (about 2 minutes each): every .ci/run
+# runs both, in a step of its own beside the 10,000 simulated schedules (COLAB_KIT_FULL_E2E=1), which keeps the
+# test command under 12 minutes. The test command covers the same faults through the simulator (its "attrs",
+# "none" and "other" modes, 1,000 schedules) and the real mount through the disconnect, stall and ladder tests here.
+IN_CI_ONLY = pytest.mark.skipif(not os.environ.get("COLAB_KIT_FULL_E2E"), reason=(
+    "about 2 minutes: .ci/run runs it in every run (COLAB_KIT_FULL_E2E=1); the test command covers faults through "
+    "the simulator (tests/drive/test_simulation.py) and the real mount through the disconnect tests here"))
 
 
 @pytest.mark.slow(150)
-@pytest.mark.parametrize("attrs", [pytest.param(True, id="attributes"), NO_ATTRIBUTES])
+@IN_CI_ONLY
+@pytest.mark.parametrize("attrs", [pytest.param(True, id="attributes"), pytest.param(False, id="no-attributes")])
 def test_a_faulty_drive_costs_time_never_a_checkpoint(tmp_path, emulated_drive, heavy_reference, attrs):
     # At 7.5 MB/s (~1 s a checkpoint): the slow-upload backlog with faults is the simulator's to cover, over
     # thousands of schedules (tests/drive/test_simulation.py); here, the real FUSE mount and training.

@@ -28,8 +28,10 @@ print("ipywidgets", ipywidgets.__version__)
 
 
 @pytest.fixture(scope="session")
-def ipywidgets_7(request):
-    target = request.config.cache.mkdir("ipywidgets-7.7.1")
+def ipywidgets_7(request, shared_tmp):
+    # Kept in pytest's cache between runs; in this session's folder where the cache is off (-p no:cacheprovider).
+    cache = getattr(request.config, "cache", None)
+    target = cache.mkdir("ipywidgets-7.7.1") if cache is not None else shared_tmp / "ipywidgets-7.7.1"
     if not (target / "ipywidgets" / "__init__.py").exists():
         pins = ["ipywidgets==7.7.1", "widgetsnbextension==3.6.1", "jupyterlab_widgets==1.1.1", "ipython_genutils==0.2.0"]
         proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), *pins],

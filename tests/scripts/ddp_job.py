@@ -155,13 +155,22 @@ def _pair(text: str) -> tuple[int, int]:
 
 
 def free_port() -> str:
-    """A port no one listens on now: notebook_launcher's default (29500) is shared by every test that runs it,
-    and two such tests at once (pytest-xdist) fail with EADDRINUSE."""
+    """A port no one listens on now, for notebook_launcher's rank 0 to bind: its default (29500) is shared by
+    every test that runs it, and two such tests at once (pytest-xdist) fail with EADDRINUSE. Drawn below
+    Linux's ephemeral range (32768-60999): a port the kernel hands out (bind to 0) is free for any client
+    socket to take before rank 0 binds it, or for rank 1's own connect to take as its source port."""
+    import random
     import socket
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return str(sock.getsockname()[1])
+    for _ in range(100):
+        port = random.randrange(20000, 32768)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return str(port)
+    raise RuntimeError("no free port in 20000-32767 after 100 tries")
 
 
 def main() -> None:

@@ -105,6 +105,27 @@ class EmulatedDrive:
         self.unmount()
         return self.mount()
 
+    def wait_uploaded(self, folder: str = "", timeout: float = 60.0) -> None:
+        """Wait until every file below `folder` of the VM's cache is in the cloud, byte for byte: what keeping
+        the runtime connected for a while does on a mount that reports no uploads."""
+        deadline = time.monotonic() + timeout
+        while (behind := self._not_uploaded(folder)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if behind:
+            raise TimeoutError(f"the DriveFS emulator had not uploaded {behind[:5]} after {timeout:.0f} s")
+
+    def _not_uploaded(self, folder: str) -> list[str]:
+        cache = self.cache / folder
+        behind = []
+        for path in sorted(cache.rglob("*")):
+            rel = path.relative_to(self.cache)
+            try:
+                if path.is_file() and (self.cloud / rel).read_bytes() != path.read_bytes():
+                    behind.append(str(rel))
+            except FileNotFoundError:
+                behind.append(str(rel))
+        return behind
+
     def stall(self) -> None:
         """Hold every operation of the mount for `stall_s` seconds from now (a stalled Drive)."""
         os.kill(self.proc.pid, signal.SIGUSR2)

@@ -168,8 +168,9 @@ class WarmRanks:
     """The ranks of one launch, as one process to the tests: its output is every rank's, rank by rank;
     its return code the first failing rank's (0 when all succeeded), as torchrun reports it."""
 
-    def __init__(self, jobs: list[WarmJob]):
+    def __init__(self, jobs: list[WarmJob], store=None):
         self.jobs = jobs
+        self.store = store  # the rendezvous store the ranks use: kept alive as long as they are
 
     @property
     def pid(self) -> int:
@@ -211,18 +212,22 @@ def start_ranks(argv, *, world: int, env: dict, cwd: Path, out_prefix: Path, scr
     """Start `world` ranks of `<script>.py` with torchrun's environment variables: `per_node` ranks to a
     node (default: all on one), `argv` the same for every rank or a function rank -> argv (a node's
     own local folder)."""
-    import socket
+    # The rendezvous store is hosted here, as torchrun's agent hosts it: it listens before any rank
+    # starts. A free port found by binding and closing, for rank 0 to bind again, was a race under
+    # pytest-xdist (CI: a rank's TCPStore client hung on "Connection reset by peer" at that port, and
+    # the launch with it): the port is in the ephemeral range, free for any other socket to take.
+    from torch.distributed import TCPStore
 
-    with socket.socket() as sock:  # a free port for the rendezvous
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    port = store.port
     per_node = per_node or world
     jobs = []
     for rank in range(world):
         rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank % per_node), WORLD_SIZE=str(world),
                         LOCAL_WORLD_SIZE=str(per_node), GROUP_RANK=str(rank // per_node), ROLE_RANK=str(rank),
-                        ROLE_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                        ROLE_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                        TORCHELASTIC_USE_AGENT_STORE="True")
         args = argv(rank) if callable(argv) else argv
         jobs.append(start(args, env=rank_env, cwd=cwd, out=Path(f"{out_prefix}-rank{rank}.log"), script=script))
-    return WarmRanks(jobs)
+    return WarmRanks(jobs, store)
 
