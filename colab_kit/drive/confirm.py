@@ -17,7 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import DriveError
-from .driveapi import COLAB_ROOT, ApiUnavailable, DriveApi, unavailable_message
+from .driveapi import COLAB_ROOT, ApiRefused, ApiUnavailable, DriveApi, unavailable_message
 from .drivefs import API, DRIVEFS, describe_kind
 
 __all__ = ["CONFIRM_MODES", "check_confirm", "choose_confirmation"]
@@ -78,6 +78,10 @@ def choose_confirmation(confirm, drive_dir: Path, kind: str, *, colab: bool, say
         pass  # the API answers; the folder, just made, has not reached Drive yet
     except DriveError:  # an AmbiguousFolder among them: refused, never a fallback
         raise
+    except ApiRefused as exc:  # no permission: asking again will not help
+        say(f"confirm='api': {api.describe()} cannot be used: {exc}; going on as confirm='auto': "
+            f"{describe_kind(kind)}")
+        return kind, None
     except ApiUnavailable as exc:  # a 403 or a 5xx now says nothing of the next minute: stay, and ask again
         say(f"confirm='api': {api.describe()} did not answer now ({exc}); the kit keeps asking it. Until it "
             f"answers, no checkpoint is called in the cloud and none is pruned")

@@ -7,9 +7,12 @@ one name), caches it, and lists a checkpoint folder's children in one paged `fil
 `confirm` says a folder is in the cloud only when every expected file is there once, not trashed,
 with the expected size and md5.
 
-A failed call is never an answer: 403 (rate limits) and 5xx raise `ApiUnavailable` (an OSError:
-"unknown, look again later"), 404 raises FileNotFoundError ("not there yet"). Nothing here
-retries or sleeps: the caller polls on its own schedule, and `calls` counts every request sent.
+A failed call is never an answer: a rate limit (429, or 403 with the reasons google-api-python-client
+itself retries) and 5xx raise `ApiUnavailable` (an OSError: "unknown, look again later"); any other 403
+(no permission, the API not enabled, a domain's policy) raises `ApiRefused`, an ApiUnavailable too, so that
+it never decides anything either, but one that says asking again will not help; 404 raises
+FileNotFoundError ("not there yet"). Nothing here retries or sleeps: the caller polls on its own
+schedule, and `calls` counts every request sent.
 
 The endpoint can be Google's (Colab: `google.colab.auth.authenticate_user()` grants it) or any
 emulator or account: `DriveApi(endpoint="http://127.0.0.1:PORT", root=FOLDER)` with anonymous
@@ -26,16 +29,24 @@ from urllib.parse import urlparse
 from ..errors import DriveError
 from .drivefs import cloud_id
 
-__all__ = ["FOLDER", "AmbiguousFolder", "ApiUnavailable", "DriveApi", "quote", "unavailable_message"]
+__all__ = ["FOLDER", "AmbiguousFolder", "ApiRefused", "ApiUnavailable", "DriveApi", "quote", "unavailable_message"]
 
 FOLDER = "application/vnd.google-apps.folder"
 ENV_ENDPOINT, ENV_ROOT = "COLAB_KIT_DRIVE_API", "COLAB_KIT_DRIVE_ROOT"
 COLAB_ROOT = "/content/drive/MyDrive"
 _LIST_FIELDS = "nextPageToken, files(id, name, md5Checksum, size, modifiedTime, trashed)"
+# The 403 reasons that are rate limits: the ones google-api-python-client's own retry takes
+# (googleapiclient.http._should_retry_response); every other 403 is a refusal.
+RATE_LIMIT_REASONS = frozenset({"rateLimitExceeded", "userRateLimitExceeded"})
 
 
 class ApiUnavailable(OSError):
     """The API did not answer this time (rate limit, server error, no network): nothing is known."""
+
+
+class ApiRefused(ApiUnavailable):
+    """The API refused (a 403 that is no rate limit: a permission, the API not enabled): nothing is known of
+    the files, as for any failed call, and asking again will not help until access is granted."""
 
 
 class AmbiguousFolder(DriveError):
@@ -118,6 +129,9 @@ class DriveApi:
             status = int(getattr(exc.resp, "status", 0) or 0)
             if status == 404:
                 raise FileNotFoundError(f"not in Drive: {exc}") from None
+            if status == 403 and not _reasons(exc) & RATE_LIMIT_REASONS:
+                raise ApiRefused(f"Drive API refused (403: {_reason(exc)}): a permission, not a rate limit, so asking "
+                                 f"again will not help until this account may read the folder") from None
             raise ApiUnavailable(f"Drive API answered {status}: {_reason(exc)}") from None
         except Exception as exc:  # noqa: BLE001 - no network (httplib2's own errors too), expired credentials,
             # an unreadable answer: nothing is known, and the caller (the mirror's thread) must go on
@@ -241,6 +255,14 @@ class DriveApi:
                                  f"{manifest_md5}): not the checkpoint chosen, so it was not deleted")
         self._execute(self.service().files().delete(fileId=item))
         self.forget(folder)
+
+
+def _reasons(exc) -> set[str]:
+    """The reasons of an HttpError's answer, from the client's own parse (`error_details`)."""
+    details = getattr(exc, "error_details", None)
+    if not isinstance(details, list):
+        return set()
+    return {d.get("reason") for d in details if isinstance(d, dict) and d.get("reason")}
 
 
 def _reason(exc) -> str:

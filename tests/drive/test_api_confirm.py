@@ -169,6 +169,24 @@ def test_finding_5_a_fresh_start_never_deletes_the_archive_through_remembered_id
     assert [s for s, _ in list_checkpoints(run_dir / "checkpoints")] == [15]
 
 
+def test_a_permission_refused_is_said_so_and_the_mount_decides(api_drive, local, capsys):
+    """Issue 46, path 11: a 403 for a permission was taken for silence (the run kept asking, "did not answer",
+    and nothing was ever confirmed or pruned). It is said as what it is, and the mount decides, as for refused
+    credentials."""
+    drive, serve = api_drive
+    server = serve(refuse="insufficientPermissions")
+    run = ck.start_run("refused", drive=drive.mountpoint / "colab_kit", local_dir=local, quiet=True,
+                       confirm=ck.DriveApi(server.url, drive.mountpoint))
+    try:
+        assert run.durability == UNCONFIRMED  # what "auto" gives on this mount (no attributes)
+        said = capsys.readouterr()
+        text = said.out + said.err
+        assert "refused (403: " in text and "a permission, not a rate limit" in text and "going on as" in text
+        assert "did not answer" not in text
+    finally:
+        run.finish()
+
+
 def test_finding_7_a_403_at_the_start_keeps_api_confirmation(api_drive, local):
     drive, serve = api_drive
     server = serve(fail_first=3)  # Drive's API answers its first three requests with 403 (a rate limit)

@@ -11,7 +11,7 @@ import pytest
 from drive_api_server import DriveApiServer
 from drive_items import cloud_id, trash_index
 
-from colab_kit.drive.driveapi import AmbiguousFolder, ApiUnavailable, DriveApi, quote
+from colab_kit.drive.driveapi import AmbiguousFolder, ApiRefused, ApiUnavailable, DriveApi, quote
 
 
 def write(path, data: bytes):
@@ -108,6 +108,19 @@ def test_listings_follow_every_page(tmp_path):
         server.stop()
 
 
+def test_a_permission_403_is_a_refusal_never_an_answer_and_never_a_rate_limit(cloud):
+    """Issue 46, path 11: every 403 was "did not answer, ask again", a permission refused included. The
+    client's own rule (it retries a 403 only for rateLimitExceeded and userRateLimitExceeded) tells them
+    apart: a refusal is still unknown for the files, and says that asking again will not help."""
+    root, folder, _ = cloud
+    server = DriveApiServer(root, root.parent / "trash", refuse="insufficientPermissions").start()
+    try:
+        with pytest.raises(ApiRefused, match=r"refused \(403: .*insufficientPermissions.*a permission, not a rate"):
+            DriveApi(server.url, root).confirm(folder, expected_of(folder))
+    finally:
+        server.stop()
+
+
 def test_rate_limits_and_server_errors_are_never_an_answer(cloud):
     root, folder, _ = cloud
     expected = expected_of(folder)
@@ -121,6 +134,7 @@ def test_rate_limits_and_server_errors_are_never_an_answer(cloud):
                 answers.append(api.confirm(folder, expected))
             except ApiUnavailable as exc:
                 assert "403" in str(exc) or "500" in str(exc)
+                assert not isinstance(exc, ApiRefused)  # a rate limit: asking again is the answer
                 unknown += 1
         assert unknown >= 10 and answers and all(a == (False, 3000) for a in answers)
         assert {status for _, _, status in server.log} == {200, 403, 500}

@@ -18,7 +18,8 @@ The subset the kit calls:
 - `DELETE /drive/v3/files/<id>` (files.delete): permanent, no Trash; a folder with everything in it.
 Field masks (`files(id,name)`, `nextPageToken`) are applied. Faults: `fail=P` answers a fraction P
 of requests with 403 rateLimitExceeded or 500 (seeded), each logged; `fail_first=N` answers the first N
-requests with 403. Items the emulator cannot make
+requests with 403 (rateLimitExceeded); `refuse=REASON` answers every request with 403 and that reason
+(insufficientPermissions: an account that may not read the folder). Items the emulator cannot make
 (two items with one name in a folder) are added with `add_item`.
 """
 
@@ -74,11 +75,12 @@ class DriveApiServer:
     """The HTTP server; `calls` counts requests by method, `log` holds (method, path, status)."""
 
     def __init__(self, cloud, trash, *, fail: float = 0.0, seed: int = 0, port: int = 0, max_page: int = 1000,
-                 fail_first: int = 0):
+                 fail_first: int = 0, refuse: str | None = None):
         self.cloud, self.trash = os.path.abspath(cloud), os.path.abspath(trash)
         self.max_page = max_page  # Drive answers at most 1000 items a page
         self.fail, self.rng = fail, random.Random(seed)
         self.fail_first = fail_first  # the first requests all answer 403 (a rate limit at the start)
+        self.refuse = refuse  # every request answers 403 with this reason (a permission refused)
         self.extra: list[dict] = []  # items added by tests (duplicates)
         self.calls: dict[str, int] = {}
         self.log: list[tuple[str, str, int]] = []
@@ -175,9 +177,11 @@ class DriveApiServer:
                     if server.fail_first > 0:
                         server.fail_first -= 1
                         fails, status = True, 403
+                    if server.refuse:
+                        fails, status = True, 403
                 if not fails:
                     return False
-                reason = "rateLimitExceeded" if status == 403 else "backendError"
+                reason = (server.refuse or "rateLimitExceeded") if status == 403 else "backendError"
                 self._answer(status, {"error": {"code": status, "message": f"injected {reason}",
                                                 "errors": [{"reason": reason, "message": "injected"}]}})
                 return True
