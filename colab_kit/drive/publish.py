@@ -57,6 +57,7 @@ class Publisher:
         self.failures = 0  # consecutive failed attempts
         self.total_failures = 0
         self.unsynced_reason: str | None = None
+        self.blocked_by: Path | None = None  # a folder of the same step that can be neither read whole nor replaced now
         self.folder_gone = False  # the run folder was missing at every look: training stops (`Run.stop_if_lease_lost`)
         self.in_flight: Upload | None = None  # the upload written last, on its way to the cloud
         self._gate_warned = False
@@ -92,6 +93,7 @@ class Publisher:
             OSError: Drive trouble, or the lease not confirmed now (EAGAIN). SnapshotChanged.
         """
         started = clock.monotonic()
+        self.blocked_by = None  # decided again at every try
         manifest = snapshot_manifest(snap)
         target = checkpoint_dir(self.run_dir / CHECKPOINTS, snap.step)
         state = self._state(target, manifest)  # reads only (and may wait: looks spaced in time)
@@ -109,6 +111,7 @@ class Publisher:
             why = self._replace(target, snap, manifest)
             if why is not None:
                 if not validity.check(target, step=snap.step).valid:  # a doubt, or a proof still to come: retried
+                    self.blocked_by = target
                     raise OSError(errno.EAGAIN, f"{target.name} holds files of another save that could not be "
                                                 f"replaced now ({why})")
                 self._kept_other(target, snap)  # a whole checkpoint of this step stays: this one is not uploaded
@@ -120,9 +123,40 @@ class Publisher:
             publish_folder(snap.path, target, manifest)
         return self._written(snap, target, manifest, started)
 
-    def _state(self, target: Path, manifest: Manifest) -> str:
+    def write_again(self, source: Path, target: Path, manifest: Manifest, lease_ok: Callable[[], bool | None]) -> bool:
+        """Upload again, from `source` (a kept local copy), the checkpoint this runtime wrote to `target` and Drive
+        lost part or all of, on the rules of a first write: the folder is read now; it is repaired (its manifest
+        untouched) where it holds this same checkpoint, written anew (manifest last) where every look finds none;
+        False, nothing written, where it holds another checkpoint now: the run was taken over and this VM's view of
+        the lease is late, or it was published again (path 9 of issue 46). The checkpoint keeps its place in the
+        write order (`evidence.py`) from its first write: counted again here, the simulator found the deletion
+        rules broken (Drive world, mode none, seeds 1283 and 7441: the newest checkpoint not whole at the end).
+
+        Raises:
+            OSError: Drive trouble, or the lease not confirmed now (EAGAIN).
+        """
+        state = self._state(target, manifest, look_again=True)  # a manifest Drive hides is still a checkpoint
+        if lease_ok() is not True:  # after the looks, right before the first write
+            raise OSError(errno.EAGAIN, "the run's lease is not confirmed as this runtime's now")
+        if state == "other":  # another checkpoint only on a manifest read whole now; a torn read is unknown
+            try:
+                there = parse_manifest(storage.read_bytes(target / MANIFEST))
+            except FileNotFoundError:
+                there = None
+            if there is None or there.files == manifest.files and there.step == manifest.step:
+                raise OSError(errno.EIO, f"{target.name}: its manifest could not be read whole now")
+            return False
+        if state != "same":
+            if state == "repair":
+                repair_folder(source, target, manifest)
+            else:
+                publish_folder(source, target, manifest)
+        return True
+
+    def _state(self, target: Path, manifest: Manifest, look_again: bool = False) -> str:
         """"same", "repair" (the same manifest, a file missing or damaged), "other" (another manifest) or
-        "new" (no manifest: every look agrees where one may be, or this writer made the folder)."""
+        "new" (no manifest: every look agrees where one may be, or this writer made the folder and
+        `look_again` is False)."""
         def look():
             try:
                 return storage.read_bytes(target / MANIFEST)
@@ -130,15 +164,18 @@ class Publisher:
                 return None
 
         raw = look()
-        if raw is None and target not in self.made and self._known(target):
+        if raw is None and (look_again or target not in self.made and self._known(target)):
             raw = looks.again(look, lambda answer: answer is None)
         if raw is None:
             return "new"
         there = parse_manifest(raw)
+        ours = there is not None and there.files == manifest.files and there.step == manifest.step
         verdict = validity.check(target, step=manifest.step)
         if verdict.unknown and not verdict.absent:  # a torn read among them: look again later
+            if not ours:
+                self.blocked_by = target  # another save's, unreadable: finish says what helps (`run/finish.py`)
             raise OSError(errno.EIO, f"{target.name}: {verdict.reason}")
-        if there is None or there.files != manifest.files or there.step != manifest.step:
+        if not ours:
             return "other"
         return "same" if verdict.valid else "repair"
 
@@ -205,7 +242,7 @@ class Publisher:
         self.written_step = snap.step
         if self.failures:
             self.notices.add(f"sync to {self.run_dir} works again; checkpoint-{snap.step} is written")
-        self.failures, self.unsynced_reason = 0, None
+        self.failures, self.unsynced_reason, self.blocked_by = 0, None, None
         self.journal.write("sync", step=snap.step, seconds=round(seconds, 3), bytes=manifest.total_bytes)
         log.info("checkpoint-%d written to %s (%s in %.1f s)", snap.step, self.run_dir,
                  format_bytes(manifest.total_bytes), seconds)

@@ -7,7 +7,6 @@ Each piece is tried when due and, on Drive trouble, again later; none of them ra
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import threading
@@ -16,9 +15,7 @@ from typing import Callable
 
 from ..checkpoints.clock import clock
 from .._units import format_age
-from ..checkpoints import looks, storage
-from ..checkpoints.checkpoint import publish_folder, repair_folder
-from ..checkpoints.manifest import MANIFEST
+from ..checkpoints import storage
 from ..checkpoints.snapshot import Snapshot, discard
 from .cloud import CloudTracker, Upload, upload_for
 
@@ -125,9 +122,11 @@ class KeptCopies:
             discard(snap)
         self._kept.clear()
 
-    def upload_missing(self, lease_ok) -> None:
-        """Upload again, from its local copy, what a poll has not found for MISSING_GRACE_S: the missing
-        files only, the manifest left as it is (a checkpoint whole in the cloud stays whole meanwhile)."""
+    def upload_missing(self, publisher, lease_ok) -> None:
+        """Upload again, from its local copy, what a poll has not found for MISSING_GRACE_S: through the
+        `publisher`'s rules of a first write (`Publisher.write_again`: the folder read now, another checkpoint
+        there left alone), the missing files only where it holds this one (a checkpoint whole in the cloud stays
+        whole meanwhile)."""
         for upload in self.tracker.missing(MISSING_GRACE_S):
             try:
                 source = upload.source if upload.source is not None and storage.is_dir(upload.source) else None
@@ -141,27 +140,25 @@ class KeptCopies:
                 self.tracker.forget(upload.label)
                 continue
             try:
-                self._upload_again(upload, source, lease_ok)
+                ours = publisher.write_again(source, upload.folder, upload.manifest, lease_ok)
             except OSError as exc:
                 log.info("uploading %s again failed: %s", upload.label, exc)
+                continue
+            if not ours:
+                self._not_ours(upload)
                 continue
             self.reuploads += 1
             self.journal.write("warn", what="reuploaded", label=upload.label, missing_s=round(
                 clock.monotonic() - upload.missing_since, 1))
             self.tracker.add(_again(upload))
 
-    @staticmethod
-    def _upload_again(upload: Upload, source: Path, lease_ok) -> None:
-        def manifest_there():
-            return storage.exists(upload.folder / MANIFEST)
-
-        there = looks.again(manifest_there, lambda there: not there)
-        if lease_ok() is not True:  # after the looks, right before the first write
-            raise OSError(errno.EAGAIN, "the run's lease is not confirmed as this runtime's now")
-        if there:
-            repair_folder(source, upload.folder, upload.manifest)
-        else:  # the whole folder is gone at every look: written anew, manifest last
-            publish_folder(source, upload.folder, upload.manifest)
+    def _not_ours(self, upload: Upload) -> None:
+        """`upload`'s folder holds another checkpoint of its step now: left as it is, and no longer followed."""
+        self.journal.write("warn", what="not_ours_now", label=upload.label)
+        self.notices.add(f"{upload.folder} holds another checkpoint of step {upload.step} now (another runtime's, or "
+                         f"one published again): it was left as it is, and this runtime's {upload.label}, never "
+                         f"counted as in the cloud, was not uploaded again")
+        self.tracker.forget(upload.label)
 
 
 def _again(upload: Upload) -> Upload:

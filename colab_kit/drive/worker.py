@@ -101,7 +101,7 @@ class MirrorWorker:
         confirmed = self.tracker.poll()
         self.kept.release_safe()
         if self.tracker.missing(0.0) and now >= self._chores_at:
-            self.kept.upload_missing(self._lease_ok)
+            self.kept.upload_missing(self.publisher, self._lease_ok)
             self._chores_at = max(self._chores_at, now + _CHORES_RETRY_S)
         with self._cond:
             wanted, self._prune_wanted = self._prune_wanted, False
