@@ -3,6 +3,7 @@ folder, measure Drive, or run the demo.
 
     python -m colab_kit run notebooks/rna_bert_classification.ipynb -p PRESET quick
     python -m colab_kit status drive/rna-bert
+    python -m colab_kit status hf://alice/colab-runs/rna-bert
     python -m colab_kit drive-check /content/drive/MyDrive
     python -m colab_kit demo
 """
@@ -99,8 +100,8 @@ def main(argv: list[str] | None = None) -> int:
                        help="set a value of the notebook's parameters cell (Python literal or text)")
     p_run.add_argument("-o", "--output", help="where to write the executed notebook (default outputs/NAME)")
     p_run.add_argument("--timeout", type=int, default=None, help="seconds allowed per cell")
-    p_status = sub.add_parser("status", help="show what a run folder holds")
-    p_status.add_argument("run_dir")
+    p_status = sub.add_parser("status", help="show what a run folder (or a run on the Hub) holds")
+    p_status.add_argument("run_dir", help="the run folder, or hf://<user>/<repo>/<run> for a run on the Hub")
     p_status.add_argument("-n", "--events", type=int, default=10, help="how many recent events to show")
     p_status.add_argument("--quick", action="store_true", help="check sizes only, skip sha256")
     p_check = sub.add_parser("drive-check", help="measure what Drive reports about uploads (prints JSON)")

@@ -9,18 +9,16 @@ most the lines not yet flushed, which the local copy still holds.
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
 import threading
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from .clock import Late, clock
-from . import looks, storage
+from . import storage
 
-__all__ = ["EVENTS", "Journal", "SilentJournal", "read_events", "History", "history", "read_history"]
+__all__ = ["EVENTS", "Journal", "SilentJournal", "read_events", "parse_events", "merge_journals"]
 
 EVENTS = "events.jsonl"
 _INLINE_WAIT_S = 10.0
@@ -47,14 +45,24 @@ class Journal:
         self.on_pending = None  # wakes the flusher thread after a line is queued (None: `write` flushes)
         self._pending: list[str] = []
         self._tail_suspect = True  # the first flush mends a line torn by a killed process
+        self._caught_up = local_copy is None  # the first flush sends what an earlier process left unsent
+        self._earlier: list[str] = []  # the local copy's lines before this process wrote any (what it may send)
         self.stopped: str | None = None  # why nothing more goes to the persistent folder (the lease was lost)
         self.known_to_exist = False  # the journal file was seen there (missing at one look is then doubt)
         self._missing_since: float | None = None
         self._lock = threading.Lock()  # the queue: held for microseconds, never across I/O
+        # One writer at a time appends to the local copy and queues: two threads (the training loop, the mirror)
+        # that did each step apart put their lines in one order on the VM and another in the persistent folder.
+        self._ordering = threading.Lock()  # held across a local-disk append only, never Drive's I/O
         self._flushing = threading.Lock()  # one flusher at a time, so lines stay in order
         if self.local_copy is not None:
             try:
                 self._mend_torn_tail(self.local_copy)
+                # Read now, before this process appends: a line of its own read later, between its append to the
+                # local copy and its queueing, would be sent twice (once caught up, once queued).
+                self._earlier = _lines(storage.read_bytes(self.local_copy))
+            except FileNotFoundError:
+                pass
             except OSError as exc:
                 log.debug("local journal copy %s: %s", self.local_copy, exc)
 
@@ -85,15 +93,16 @@ class Journal:
         """Record one event; returns the record. Touches only the local disk, never raises for I/O."""
         record = {"event": event, "time": round(clock.time(), 3), **fields}
         line = json.dumps(record, default=str, sort_keys=False)
-        if self.local_copy:
-            try:
-                storage.append_line(self.local_copy, line)
-            except OSError as exc:
-                log.debug("local journal copy failed: %s", exc)
-        with self._lock:
-            if self.stopped is not None:
-                return record
-            self._pending.append(line)
+        with self._ordering:  # the local copy and the queue in one order (catching up relies on it)
+            if self.local_copy:
+                try:
+                    storage.append_line(self.local_copy, line)
+                except OSError as exc:
+                    log.debug("local journal copy failed: %s", exc)
+            with self._lock:
+                if self.stopped is not None:
+                    return record
+                self._pending.append(line)
         if self.on_pending is not None:
             self.on_pending()
         else:  # no flusher thread (before the mirror starts, after it stopped): flushed now, waited for
@@ -112,6 +121,8 @@ class Journal:
             return False
         try:
             if self.pending and not self._there():
+                return False
+            if not self._caught_up and not self._catch_up():
                 return False
             asked = clock.monotonic() if held is True else None  # the caller has just asked the guard
             while True:
@@ -141,6 +152,31 @@ class Journal:
         finally:
             self._flushing.release()
 
+    def _catch_up(self) -> bool:
+        """Queue, before this process's own lines, the lines an earlier process of this VM wrote to the local
+        copy and never got to the persistent folder (a kernel restart, a kill): where the persistent journal's
+        last line is one of the local copy's (this VM wrote last), the local lines after it. A journal whose
+        last line the local copy lacks (another runtime wrote since, or the folder was made anew) gets none:
+        it is not this VM's to continue, and lines out of their place would be stories of another folder.
+        False when the persistent copy cannot be read now (unknown: asked again at the next flush)."""
+        try:
+            theirs = _lines(storage.read_bytes(self.path))
+        except FileNotFoundError:
+            theirs = []
+        except OSError as exc:
+            log.debug("journal %s unreadable before catching up: %s", self.path, exc)
+            return False
+        ours = self._earlier
+        last = max((i for i, line in enumerate(ours) if line == theirs[-1]), default=None) if theirs else None
+        with self._lock:
+            unsent = ours[last + 1:] if last is not None else []
+            if self.stopped is None:
+                self._pending[:0] = unsent
+        self._earlier = []
+        self._caught_up = True
+        if unsent:
+            log.debug("journal %s: %d line(s) of an earlier process sent now", self.path, len(unsent))
+        return True
 
     def _ask_guard(self) -> tuple[bool | None, float]:
         """(the guard's answer, when it was asked): an answer that took longer than `_GUARD_FRESH_S` to come
@@ -190,100 +226,29 @@ class SilentJournal(Journal):
 def read_events(path: str | Path) -> list[dict]:
     """All events of a journal, oldest first; a torn or foreign line is skipped; [] when there is none."""
     try:
-        return _parse(storage.read_bytes(path))
+        return parse_events(storage.read_bytes(path))
     except FileNotFoundError:
         return []
 
 
-@dataclass
-class History:
-    """What a run's journal says of its checkpoints since its last fresh start (an `archive` event).
-
-    Attributes:
-        synced: steps written to the persistent folder (`sync`; or tried, `sync_failed`), not pruned since.
-        confirmed: steps confirmed in the cloud (`cloud`), not pruned since: such a checkpoint becomes
-            invalid only on positive evidence, never because it cannot be seen.
-    """
-
-    synced: set[int] = field(default_factory=set)
-    confirmed: set[int] = field(default_factory=set)
-    started: bool = False  # a runtime opened the run before (an empty listing is then looked at again)
-    found: bool = False  # the journal file was there
-    occupied: bool = False  # the run folder showed checkpoints or a journal at a look (`search.read_told`)
-
-    @property
-    def expected(self) -> set[int]:
-        """The checkpoints that should be in the run folder."""
-        return self.synced | self.confirmed
-
-    @property
-    def newest_confirmed(self) -> int | None:
-        return max(self.confirmed, default=None)
+def merge_journals(theirs: bytes, ours: bytes) -> bytes:
+    """One journal from two copies of it, never fewer lines than either: `theirs` (the store's copy, which
+    other runtimes may have appended to) in its order, then each line of `ours` (this VM's, which may hold
+    lines not yet uploaded) that it lacks, in their order. The journal is append-only, so no copy replaces
+    another; a line torn by a killed process is left out (the readers skip it anyway), and every reader
+    orders events by their time (`read_history`)."""
+    merged = list(dict.fromkeys(_lines(theirs) + _lines(ours)))  # in order, each line once
+    return "".join(f"{line}\n" for line in merged).encode()
 
 
-def history(events: list[dict]) -> History:
-    """Fold `events` (in time order) into a `History`."""
-    told = History()
-    for event in events:
-        kind, step = event.get("event"), event.get("step")
-        if kind == "archive":
-            told = History()
-        elif kind == "start":
-            told.started = True
-        elif kind in ("sync", "resume") and isinstance(step, int):  # written; or found there and resumed from
-            told.synced.add(step)
-        elif kind == "warn" and event.get("what") == "sync_failed" and isinstance(step, int):
-            told.synced.add(step)  # a write that failed part-way may have finished all but its read-back
-        elif kind == "cloud" and isinstance(step, int):
-            told.confirmed.add(step)
-        elif kind == "prune":
-            for gone in event.get("steps") or []:
-                told.synced.discard(gone)
-                told.confirmed.discard(gone)
-    return told
+def _lines(raw: bytes) -> list[str]:
+    """The whole event lines of a journal, as written (a torn or foreign line left out)."""
+    lines = (line.strip() for line in raw.decode("utf-8", errors="replace").splitlines())
+    return [line for line in lines if line and parse_events(line.encode())]
 
 
-def read_history(path: str | Path, local_copy: str | Path | None = None, *, expected: bool = True,
-                 waits=(1.0, 2.0, 4.0)) -> History:
-    """The `History` of the journal at `path` (the persistent folder's) and its `local_copy` together.
-
-    A journal that cannot be read is asked again after each of `waits`; one missing is looked for again
-    (`looks.again`) before it counts as none, where one is `expected` (the folder holds checkpoints).
-
-    Raises:
-        OSError: the journal could not be read (what it says is unknown).
-    """
-    def look():
-        try:
-            raw = storage.read_bytes(path)
-        except FileNotFoundError:
-            return None
-        if len(raw) != storage.stat(path).st_size:  # a torn read would forget what the journal says
-            raise OSError(errno.EIO, f"{path} was not read whole")
-        return raw
-
-    for wait in (*waits, None):
-        try:
-            raw = looks.again(look, lambda answer: answer is None, None if expected else ())
-            break
-        except OSError:
-            if wait is None:
-                raise
-            clock.sleep(wait)
-    events = _parse(raw or b"")
-    if local_copy is not None:
-        try:
-            seen = {json.dumps(e, sort_keys=True) for e in events}
-            events += [e for e in _parse(storage.read_bytes(local_copy)) if json.dumps(e, sort_keys=True) not in seen]
-        except OSError:
-            pass  # the local copy only adds what Drive has not got yet
-    events.sort(key=lambda e: e.get("time", 0.0) if isinstance(e.get("time"), (int, float)) else 0.0)
-    told = history(events)
-    told.found = raw is not None
-    return told
-
-
-def _parse(raw: bytes) -> list[dict]:
+def parse_events(raw: bytes) -> list[dict]:
+    """The events of a journal's bytes (from a folder or the Hub): torn and foreign lines left out."""
     events = []
     for line in raw.decode("utf-8", errors="replace").splitlines():
         line = line.strip()

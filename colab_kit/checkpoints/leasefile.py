@@ -14,7 +14,7 @@ from .._units import format_age
 from . import storage
 from .clock import clock
 
-__all__ = ["LEASE", "STALE_AFTER_BEATS", "LeaseInfo", "read_lease", "lease_staleness", "process_start"]
+__all__ = ["LEASE", "STALE_AFTER_BEATS", "LeaseInfo", "read_lease", "parse_lease", "lease_staleness", "process_start"]
 
 LEASE = "lease.json"
 STALE_AFTER_BEATS = 4
@@ -64,10 +64,18 @@ def read_lease(path: str | Path) -> LeaseInfo | None:
     except FileNotFoundError:
         return None
     try:
+        return parse_lease(raw)
+    except ValueError as exc:
+        raise ValueError(f"{path} holds no lease ({exc})") from None
+
+
+def parse_lease(raw: bytes) -> LeaseInfo:
+    """The lease that `raw` (a lease.json's bytes, from a folder or the Hub) says. Raises ValueError: none."""
+    try:
         obj = json.loads(raw)
         return LeaseInfo(**{k: obj[k] for k in LeaseInfo.__dataclass_fields__ if k in obj})
     except (ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"{path} holds no lease ({exc})") from None
+        raise ValueError(str(exc) or type(exc).__name__) from None
 
 
 def lease_staleness(info: LeaseInfo, now: float | None = None, *, host: str | None = None,

@@ -7,7 +7,7 @@ and says which ones were skipped and why. Doubt costs time, never an older check
 - A read that fails is tried again (`RETRY_WAITS`); one still unreadable is reported as unreadable,
   never taken for "nothing there".
 - Absence is not evidence (`looks.py`). The run's journal says which checkpoints should be there
-  (written, not pruned) and which were confirmed in the cloud (`journal.History`). A listing that lacks
+  (written, not pruned) and which were confirmed in the cloud (`history.History`). A listing that lacks
   one of them is looked at again, spaced in time, and so is every checkpoint on Drive, newer than the
   one found, whose manifest or files are missing at one look (all of them together: one wait a search).
 - A checkpoint the journal confirmed in the cloud is never passed over because it cannot be seen or
@@ -28,7 +28,8 @@ from typing import Callable, Iterable
 from .clock import clock
 from . import looks, storage, validity
 from .checkpoint import CHECKPOINTS, checkpoint_dir, list_checkpoints
-from .journal import EVENTS, History, read_history
+from .history import History, read_history
+from .journal import EVENTS
 from .manifest import Manifest, write_manifest
 
 __all__ = ["RETRY_WAITS", "Found", "Search", "read_told", "fetch_checkpoint", "search_checkpoints", "find_latest"]
@@ -175,7 +176,7 @@ def search_checkpoints(places: Iterable[tuple[str, Path]], local_root: Path, *, 
         waits: seconds between the looks at a checkpoint that cannot be read or misses something
             (default `RETRY_WAITS`). One still unreadable after them is reported in `unreadable`, and the
             search goes on to older ones: the caller decides (start_run never starts fresh over one).
-        told: what the run's journal says (`journal.read_history`): the checkpoints that should be on
+        told: what the run's journal says (`history.read_history`): the checkpoints that should be on
             Drive, and those confirmed in the cloud, which are never passed over (`Search.blocked`).
     """
     waits = RETRY_WAITS if waits is None else tuple(waits)

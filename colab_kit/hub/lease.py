@@ -25,10 +25,10 @@ import uuid
 from dataclasses import asdict
 from typing import Callable
 
-from .._units import format_age
 from ..checkpoints.clock import clock
-from ..checkpoints.leasefile import LEASE, LeaseInfo, lease_staleness, process_start
+from ..checkpoints.leasefile import LEASE, LeaseInfo, lease_staleness, parse_lease, process_start
 from ..errors import LeaseHeldError
+from .leasewatch import WATCH_BEATS, held_error, watch
 from .repo import HeadMoved, HubRepo, HubUnavailable
 
 __all__ = ["HubLease", "LeaseLost", "HUB_HEARTBEAT_S"]
@@ -38,7 +38,6 @@ log = logging.getLogger(__name__)
 # "You have exceeded the rate limit for repository commits (128 per hour)"); a heartbeat commit every 2
 # minutes when nothing else was committed costs at most 30 of them.
 HUB_HEARTBEAT_S = 120.0
-WATCH_BEATS = 1.5
 _CHECK_S = 10.0  # a check that found the lease this runtime's stands this long
 _MOVES = 8  # heads moved by other runs of the repo, in a row, before a commit gives up for now
 
@@ -170,50 +169,17 @@ class HubLease:
         if raw is None:
             return None
         try:
-            obj = json.loads(raw)
-            return LeaseInfo(**{k: obj[k] for k in LeaseInfo.__dataclass_fields__ if k in obj})
-        except (ValueError, KeyError, TypeError):
+            return parse_lease(raw)
+        except ValueError:
             raise LeaseHeldError(f"{self.path} in {self.repo.address} holds no lease that can be read, so whether "
                                  f"another runtime writes this run is unknown. If none does: "
                                  f"ck.start_run({run_name!r}, ..., takeover=True)") from None
 
     def _watch(self, previous: LeaseInfo, on_watch, run_name: str) -> str:
-        """Watch another host's lease for `WATCH_BEATS` of its heartbeats; returns the head at which it was seen
-        unchanged at the end (dead), or raises `LeaseHeldError` (it changed: alive; or it could not be read)."""
-        window = WATCH_BEATS * previous.heartbeat_s
-        deadline = clock.monotonic() + window
-        give_up = deadline + max(30.0, 2 * window)
-        while True:
-            left = deadline - clock.monotonic()
-            if on_watch is not None and left > 0:
-                on_watch(previous, left)
-            clock.sleep(min(max(left, 0.2), max(0.2, min(5.0, previous.heartbeat_s / 10))))
-            try:
-                head = self.repo.head()
-                current = self._lease_at(head, run_name)
-            except (HubUnavailable, LeaseHeldError):
-                current = False  # unknown: neither alive nor dead
-            if current is not False:
-                if current is None or current.session != previous.session or current.heartbeat != previous.heartbeat:
-                    if current is not None and current.session == previous.session and current.released:
-                        self.took_over_because = "it was released while this runtime watched it"
-                        return head
-                    raise self._held(previous, run_name)  # it moved: alive (or a third runtime claimed it)
-                if clock.monotonic() >= deadline:
-                    self.took_over_because = f"its heartbeat did not advance in {format_age(window)}"
-                    return head
-            elif clock.monotonic() >= give_up:
-                raise LeaseHeldError(f"the lease of {self.repo.address}/{self.folder} (host {previous.host}) could "
-                                     f"not be read again to see whether its heartbeat advances, so it was not taken "
-                                     f"over. Run this cell again; if that runtime is gone: "
-                                     f"ck.start_run({run_name!r}, takeover=True)")
+        return watch(self, previous, on_watch, run_name)  # `leasewatch.py`: from a moment the Hub takes commits
 
     def _held(self, previous: LeaseInfo, run_name: str) -> LeaseHeldError:
-        return LeaseHeldError(
-            f"run {self.repo.address}/{self.folder} is in use by another runtime (host {previous.host}, pid "
-            f"{previous.pid}): its heartbeat advanced while this runtime watched it, or its process lives on this "
-            f"host. Two writers would overwrite each other's checkpoints. Stop it (in its tab: Runtime -> "
-            f"Disconnect and delete runtime), or take over now: ck.start_run({run_name!r}, ..., takeover=True)")
+        return held_error(self, previous, run_name)
 
     # -- writing, fenced ---------------------------------------------------------------------------------
     def commit(self, message: str, *, add: dict | None = None, delete: list[str] = ()) -> str:
@@ -224,12 +190,16 @@ class HubLease:
             LeaseLost: another runtime holds the lease (nothing was committed, and nothing more will be).
             HubUnavailable: the Hub did not answer, or the lease could not be read at a moved head (unknown).
         """
-        with self._lock:
+        if self.lost:
+            raise LeaseLost(None)
+        # The data first, outside the lock: a checkpoint's upload (minutes) never holds up the heartbeat, whose
+        # commits go on meanwhile; only the commit that names the data waits for the lock (a second).
+        with self.repo.uploaded(add or {}) as sent, self._lock:
             for _ in range(_MOVES):
                 if self.lost:
                     raise LeaseLost(None)
                 try:
-                    return self._commit_lease(message, add=add, delete=delete)
+                    return self._commit_lease(message, sent=sent, delete=delete)
                 except HeadMoved as moved:
                     held = self._held_at(moved.head)
                     if held is None:
@@ -237,13 +207,12 @@ class HubLease:
                                              f"{moved.head}: not committed now") from None
             raise HubUnavailable(f"the Hub repo {self.repo.address} moved on {_MOVES} times in a row: not committed now")
 
-    def _commit_lease(self, message: str, add: dict | None = None, delete: list[str] = ()) -> str:
+    def _commit_lease(self, message: str, sent: list = (), delete: list[str] = ()) -> str:
         if self.head is None:  # a commit without a parent would not be fenced
             raise HubUnavailable("no head of the repo is known where the lease is this runtime's: nothing committed")
         self.info.heartbeat = clock.time()
-        files = dict(add or {})
-        files[self.path] = json.dumps(asdict(self.info)).encode()
-        self.head = self.repo.commit(message, parent=self.head, add=files, delete=list(delete))
+        files = {self.path: json.dumps(asdict(self.info)).encode()}
+        self.head = self.repo.commit(message, parent=self.head, add=files, delete=list(delete), sent=sent)
         self.committed_at = self._checked_at = clock.monotonic()
         return self.head
 

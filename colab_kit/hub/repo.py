@@ -25,16 +25,17 @@ import threading
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from ..checkpoints import storage
 from ..checkpoints.clock import Late, clock
 from .address import HubAddress
+from .client import no_answer, no_progress_bars, quiet_client_log, require_client, retry_after, status_of
 
 __all__ = ["HubRepo", "HubFile", "HeadMoved", "HubUnavailable", "MARK"]
 
 log = logging.getLogger(__name__)
 MARK = "colab_kit-commit:"  # then a unique id, in every commit's description
-_TRANSIENT = (429, 500, 502, 503, 504)
 
 
 class HubUnavailable(OSError):
@@ -60,69 +61,8 @@ class HubFile:
     blob_id: str
 
 
-def _status(exc: BaseException) -> int | None:
-    response = getattr(exc, "response", None)
-    return getattr(response, "status_code", None)
-
-
-def _retry_after(exc: BaseException) -> float | None:
-    headers = getattr(getattr(exc, "response", None), "headers", None) or {}
-    try:
-        return float(headers.get("Retry-After"))
-    except (TypeError, ValueError):
-        return None
-
-
-_BARS = threading.Lock()
-_quiet = {"count": 0, "were_off": False}
-
-
-@contextlib.contextmanager
-def _no_progress_bars():
-    """The client's progress bars off while the kit talks to the Hub: they would be drawn from the uploader's
-    thread into whatever cell the notebook runs. The client's switch is process-wide, so it is counted: the
-    bars come back when the last such call ends (a download the user starts meanwhile shows no bar either)."""
-    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
-
-    with _BARS:
-        if _quiet["count"] == 0:
-            _quiet["were_off"] = are_progress_bars_disabled()
-            disable_progress_bars()
-        _quiet["count"] += 1
-    try:
-        yield
-    finally:
-        with _BARS:
-            _quiet["count"] -= 1
-            if _quiet["count"] == 0 and not _quiet["were_off"]:
-                enable_progress_bars()
-
-
-class _MainThreadOnly(logging.Filter):
-    """The client's own log lines ("Retrying in 2s") from the kit's background threads are dropped: they would
-    land in the notebook's output; the kit says what the Hub's trouble costs itself."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return threading.current_thread() is threading.main_thread()
-
-
-def _quiet_client_log() -> None:
-    hub_log = logging.getLogger("huggingface_hub")
-    if not any(isinstance(f, _MainThreadOnly) for f in hub_log.filters):
-        hub_log.addFilter(_MainThreadOnly())
-
-
 def _size(src) -> int:
     return len(src) if isinstance(src, (bytes, bytearray)) else storage.stat(src).st_size
-
-
-def _no_answer(exc: BaseException) -> bool:
-    """A request whose outcome is unknown: no answer came, or a 5xx/429 did."""
-    status = _status(exc)
-    if status is not None:
-        return status in _TRANSIENT
-    return isinstance(exc, (OSError, TimeoutError)) or type(exc).__module__.split(".")[0] in ("httpx", "httpx2",
-                                                                                              "requests", "urllib3")
 
 
 class HubRepo:
@@ -141,13 +81,15 @@ class HubRepo:
     def __init__(self, address: HubAddress, token: str, *, endpoint: str | None = None,
                  waits: tuple[float, ...] = (1.0, 2.0, 4.0, 8.0), commit_wait: tuple[float, float] = (60.0, 1e6),
                  read_wait: float = 60.0):
+        require_client()
         from huggingface_hub import HfApi
 
         self.address, self.waits, self.commit_wait, self.read_wait = address, waits, commit_wait, read_wait
         self.api = HfApi(endpoint=endpoint, token=token)
+        self.on_wait: Callable[[str], None] | None = None  # told each wait before a try again (start_run says it)
         self._sending = 0  # commit tries still running (one whose answer was waited for no longer may go on)
         self._sending_lock = threading.Lock()
-        _quiet_client_log()
+        quiet_client_log()
 
     # -- reads -------------------------------------------------------------------------------------------
     def create(self) -> None:
@@ -185,7 +127,7 @@ class HubRepo:
 
         def fetch():
             try:
-                with _no_progress_bars():
+                with no_progress_bars():
                     return storage.read_bytes(self.api.hf_hub_download(self.address.repo_id, path, revision=revision,
                                                                        repo_type=self.address.repo_type))
             except LocalEntryNotFoundError as exc:  # the Hub did not answer, and nothing is cached: unknown
@@ -200,7 +142,7 @@ class HubRepo:
         under the address's folder. A stalled transfer ends at the client's read timeout and is tried again
         (the client resumes a partial file)."""
         def fetch(path):
-            with _no_progress_bars():
+            with no_progress_bars():
                 return self.api.hf_hub_download(self.address.repo_id, path, revision=revision,
                                                 repo_type=self.address.repo_type, local_dir=dest)
 
@@ -220,10 +162,38 @@ class HubRepo:
         return since
 
     # -- writes ------------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def uploaded(self, add: dict[str, str | Path | bytes]):
+        """The data of a commit sent before the commit (`commit(..., sent=...)`): yields its operations, the LFS
+        files among them already on the Hub, their files open until the commit is made.
+
+        A commit only names blobs; sending them is most of its time (a 1 GB checkpoint at the few MB/s Colab
+        uploads: minutes). Sent here, outside the lease's lock, they keep no other commit waiting: the lease's
+        heartbeat goes on beating while a checkpoint uploads. A blob no commit names changes nothing in the repo.
+
+        Raises:
+            HubUnavailable: a file could not be sent after the retries (nothing was committed).
+        """
+        from huggingface_hub import CommitOperationAdd
+
+        seconds, rate = self.commit_wait
+        with contextlib.ExitStack() as files:
+            operations = [CommitOperationAdd(path_in_repo=p, path_or_fileobj=files.enter_context(storage.open_read(src))
+                                             if isinstance(src, Path) else src) for p, src in add.items()]
+            for operation in operations:
+                def send(operation=operation):
+                    with no_progress_bars():
+                        self.api.preupload_lfs_files(self.address.repo_id, [operation], repo_type=self.address.repo_type)
+
+                self._patiently(send, f"upload {operation.path_in_repo}",
+                                wait=seconds + operation.upload_info.size / rate)
+            yield operations
+
     def commit(self, message: str, *, parent: str, add: dict[str, str | Path | bytes] | None = None,
-               delete: list[str] = ()) -> str:
-        """One commit on `parent`: `add` (path in the repo -> a local file or bytes) and `delete` (paths; a path
-        ending in "/" is a folder). Returns the new head.
+               delete: list[str] = (), sent: list = ()) -> str:
+        """One commit on `parent`: `add` (path in the repo -> a local file or bytes), `sent` (operations from
+        `uploaded`, their data on the Hub already) and `delete` (paths; a path ending in "/" is a folder).
+        Returns the new head.
 
         Raises:
             HeadMoved: `main` is no longer at `parent` (and this commit is not the one that moved it).
@@ -250,12 +220,13 @@ class HubRepo:
                     self._sending -= 1
 
         def attempt():
-            with contextlib.ExitStack() as files, _no_progress_bars():
+            with contextlib.ExitStack() as files, no_progress_bars():
                 adds = [CommitOperationAdd(path_in_repo=p, path_or_fileobj=files.enter_context(storage.open_read(src))
                                            if isinstance(src, Path) else src) for p, src in (add or {}).items()]
                 for operation in adds:
                     self.api.preupload_lfs_files(self.address.repo_id, [operation], repo_type=self.address.repo_type)
-                operations = adds + [CommitOperationDelete(path_in_repo=p) for p in delete]
+                # `sent` are reused across tries: the client marks an operation committed only once it landed.
+                operations = [*sent, *adds] + [CommitOperationDelete(path_in_repo=p) for p in delete]
                 return self.api.create_commit(self.address.repo_id, operations, commit_message=message,
                                               commit_description=mark, parent_commit=parent,
                                               repo_type=self.address.repo_type).oid
@@ -264,8 +235,8 @@ class HubRepo:
             try:
                 return clock.within(patience, send, name="colab_kit-hub-commit")
             except Exception as exc:  # noqa: BLE001 - sorted below; what is not the Hub's trouble is raised
-                status = _status(exc)
-                if status != 412 and not isinstance(exc, Late) and not _no_answer(exc):
+                status = status_of(exc)
+                if status != 412 and not isinstance(exc, Late) and not no_answer(exc):
                     raise
                 landed = self._find_mark(mark, parent)  # it may have landed all the same
                 if landed is not None:
@@ -278,11 +249,17 @@ class HubRepo:
                     raise HeadMoved(head) from exc
                 if wait is None or self._sending:  # never a second upload beside one still running
                     raise HubUnavailable(f"the Hub did not take a commit ({message}) now: {exc}") from exc
-                log.info("commit %r: no answer (%s); trying again in %.0f s", message, exc, wait)
-                clock.sleep(_retry_after(exc) or wait)
+                wait = retry_after(exc) or wait
+                self._waiting(f"the Hub did not take a commit ({message}): {_brief(exc)}; trying again in {wait:.0f} s")
+                clock.sleep(wait)
         raise AssertionError("unreachable")
 
     # -- helpers -----------------------------------------------------------------------------------------
+    def _waiting(self, text: str) -> None:
+        log.info("%s", text)
+        if self.on_wait is not None:
+            self.on_wait(text)
+
     def _find_mark(self, mark: str, parent: str) -> str | None:
         try:
             for commit in self.commits_since(parent):
@@ -306,10 +283,18 @@ class HubRepo:
             try:
                 return clock.within(seconds, call, name="colab_kit-hub-read")
             except Exception as exc:  # noqa: BLE001 - what is not the Hub's trouble is raised as it is
-                if not isinstance(exc, Late) and not _no_answer(exc):
+                if not isinstance(exc, Late) and not no_answer(exc):
                     raise
                 if pause is None:
                     raise HubUnavailable(f"cannot {what} on the Hub ({self.address}): {exc}") from exc
-                log.info("cannot %s on the Hub (%s); trying again in %.0f s", what, exc, pause)
-                clock.sleep(_retry_after(exc) or pause)
+                pause = retry_after(exc) or pause
+                self._waiting(f"cannot {what} on the Hub now ({_brief(exc)}); trying again in {pause:.0f} s")
+                clock.sleep(pause)
         raise AssertionError("unreachable")
+
+
+def _brief(exc: BaseException) -> str:
+    """An error in a line: the HTTP status where there is one, else the first line of its message."""
+    status = status_of(exc)
+    text = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    return f"HTTP {status}" if status is not None else text[:120]

@@ -8,7 +8,7 @@ stands between it and the repo, in the role DriveFS plays for a Drive mount:
 - `pull` (at the start, the lease held): every file of the run's folder at the head is made present in the
   replica, downloaded where the replica lacks it or holds other bytes (a fresh VM starts from the Hub, the
   same VM after a kernel restart keeps what it has); files only in the replica (written, not yet committed)
-  stay, for the uploader to commit;
+  stay, for the uploader to commit; the journal is merged, never replaced (the replica's may be newer);
 - `confirm` (the tracker, for each written checkpoint and `final/`): the folder is committed in ONE commit,
   manifest included, if the head does not hold it yet, then it is in the cloud when the listing shows every
   file with the manifest's sha256 as its LFS id (`verify.py`);
@@ -24,9 +24,12 @@ from __future__ import annotations
 import hashlib
 import logging
 from pathlib import Path
+from typing import Callable
 
 from ..checkpoints import storage
+from ..checkpoints.checkpoint import ARCHIVE
 from ..checkpoints.clock import clock
+from ..checkpoints.journal import EVENTS, merge_journals
 from ..checkpoints.manifest import MANIFEST, Manifest, parse_manifest
 from .lease import HubLease
 from .repo import HubFile, HubRepo
@@ -74,25 +77,61 @@ class HubStore:
         self.lease.commit("colab_kit: LFS for the runs' files",
                           add={GITATTRIBUTES: current.rstrip(b"\n") + (b"\n" if current else b"") + rule.encode() + b"\n"})
 
-    def pull(self) -> int:
+    def pull(self, progress: Callable[[int, int, int, int], None] | None = None) -> int:
         """Make the replica hold every file of the run's folder at the lease's head; returns the files
-        downloaded. Raises HubUnavailable when the Hub cannot be read (nothing is decided from a failed read)."""
+        downloaded. The newest checkpoint comes first (what a resume needs), then the older ones and `final/`;
+        `progress(bytes_done, bytes_all, files_done, files_all)` is told after each file. Raises HubUnavailable
+        when the Hub cannot be read (nothing is decided from a failed read)."""
         head = self.lease.head
         listing = self.repo.listing(self.folder, revision=head)
         listing.update(self.repo.listing(self.folder, revision=head))  # absence is not evidence: a second look
         wanted = [path for path, listed in listing.items()
                   if path != self.lease.path and not self._same_locally(path, listed)]
-        wanted += self._unlisted(listing, head)
+        wanted = sorted(wanted + self._unlisted(listing, head), key=self._fetch_order)
+        sizes = [listing[path].size if path in listing else 0 for path in wanted]
         if wanted:
             staging = self.replica.parent / f".pull-{self.replica.name}"
-            self.repo.download(wanted, staging, revision=head)
+            for done, path in enumerate(wanted, 1):
+                self.repo.download([path], staging, revision=head)
+                if progress is not None:
+                    progress(sum(sizes[:done]), sum(sizes), done, len(wanted))
             for path in wanted:
-                relative = path[len(self.folder) + 1:] if self.folder else path
-                target = self.replica / relative
+                target = self.replica / self._relative(path)
                 storage.make_dirs(target.parent)
-                storage.replace(staging / path, target)
+                if path == self._journal_path and storage.exists(target):
+                    self._merge_journal(staging / path, target)
+                else:
+                    storage.replace(staging / path, target)
             storage.remove_tree(staging)
         return len(wanted)
+
+    def _fetch_order(self, path: str) -> tuple:
+        """Small files first (the journal, the manifests), then each checkpoint's files, newest first, then
+        everything else (`final/`, the archive)."""
+        parts = self._relative(path).split("/")
+        if parts[-1] in (EVENTS, MANIFEST) or len(parts) == 1:
+            return (0, 0, path)
+        if parts[0] == "checkpoints" and len(parts) > 2 and parts[1].startswith("checkpoint-"):
+            try:
+                return (1, -int(parts[1].split("-")[1]), path)
+            except ValueError:
+                pass
+        return (2, 0, path)
+
+    @property
+    def _journal_path(self) -> str:
+        return f"{self.folder}/{EVENTS}" if self.folder else EVENTS
+
+    def _relative(self, path: str) -> str:
+        return path[len(self.folder) + 1:] if self.folder else path
+
+    @staticmethod
+    def _merge_journal(hubs: Path, replicas: Path) -> None:
+        """The replica's journal may hold lines the Hub has not got (a kernel restart before they were
+        committed) and the Hub's lines the replica lacks (another runtime's): the replica gets both, and the
+        uploader commits the merge. Replacing it with the Hub's copy lost those lines for good."""
+        merged = merge_journals(storage.read_bytes(hubs), storage.read_bytes(replicas))
+        storage.atomic_write_bytes(replicas, merged)
 
     def _unlisted(self, listing: dict[str, HubFile], head: str) -> list[str]:
         """The files a checkpoint's manifest names that the listing does not show: a listing that misses a file
@@ -102,7 +141,7 @@ class HubStore:
         prefix = f"{self.folder}/" if self.folder else ""
         folders = {path.rsplit("/", 1)[0] for path in listing if path.startswith(f"{prefix}checkpoints/")
                    or path.startswith(f"{prefix}final/")}
-        named = [f"{prefix}events.jsonl"] if f"{prefix}events.jsonl" not in listing else []  # the journal
+        named = [self._journal_path] if self._journal_path not in listing else []  # the journal
         for folder in sorted(folders):
             raw = self.repo.read(f"{folder}/{MANIFEST}", revision=head)  # asked by name, listed or not
             manifest = parse_manifest(raw) if raw is not None else None
@@ -117,14 +156,15 @@ class HubStore:
         return there
 
     def _same_locally(self, path: str, listed: HubFile) -> bool:
-        relative = path[len(self.folder) + 1:] if self.folder else path
+        """Does the replica hold the listed bytes? An LFS file (a checkpoint's, GBs) is hashed in chunks,
+        never read whole into memory; a small one is compared by its git blob id."""
+        local = self.replica / self._relative(path)
         try:
-            data = storage.read_bytes(self.replica / relative)
+            if listed.sha256 is not None:
+                return storage.stat(local).st_size == listed.size and storage.sha256_file(local) == listed.sha256
+            return git_blob_id(storage.read_bytes(local)) == listed.blob_id
         except FileNotFoundError:
             return False
-        if listed.sha256 is not None:
-            return len(data) == listed.size and hashlib.sha256(data).hexdigest() == listed.sha256
-        return git_blob_id(data) == listed.blob_id
 
     # -- the tracker and the gate ------------------------------------------------------------------------
     def confirm(self, folder: Path, manifest: Manifest, *, push: bool = True) -> tuple[bool, int]:
@@ -141,17 +181,34 @@ class HubStore:
             raise OSError(f"{folder / MANIFEST} is not the manifest written")
         where = self.repo_path(folder)
         self.calls += 1
-        missing = not_shown(where, manifest, raw, self.repo.listing(where))
+        listed = self.repo.listing(where)
+        missing = not_shown(where, manifest, raw, listed)
         if missing and push:
             files = self._changed_small()  # the journal rides along: on the Hub it is as new as the checkpoint
             files.update({f"{where}/{name}": folder / name for name in manifest.files})
             files[f"{where}/{MANIFEST}"] = raw  # the bytes checked above: never a manifest written since
-            self.lease.commit(f"colab_kit: {folder.name} of {self.replica.name}", add=files)
+            files.update(self._archive_unsent())  # what this folder replaced (final/'s last export), kept there too
+            # Published whole, never a union: a file of an earlier export the manifest does not name goes, in the
+            # same commit (the replica's swap, through the gate, already moved that export to archive/).
+            stale = [path for path in listed if path != f"{where}/{MANIFEST}" and path[len(where) + 1:]
+                     not in manifest.files]
+            self.lease.commit(f"colab_kit: {folder.name} of {self.replica.name}", add=files, delete=stale)
             self._small_at = clock.monotonic()
             self.calls += 1
             missing = not_shown(where, manifest, raw, self.repo.listing(where))
         pending = sum(manifest.files[name].size for name in missing if name in manifest.files)
         return not missing, pending
+
+    def _archive_unsent(self) -> dict[str, Path]:
+        """The replica's archive/ files the Hub does not hold: what a fresh start or a new export of final/ moved
+        aside on the replica, committed where the store keeps things (their blobs are mostly on the Hub
+        already, under their old paths: the client sends none twice)."""
+        archive = self.replica / ARCHIVE
+        if not storage.is_dir(archive):
+            return {}
+        there = self.repo.listing(self.repo_path(archive))
+        files = (Path(f) for f in storage.files_under(archive))
+        return {self.repo_path(f): f for f in files if self.repo_path(f) not in there and not storage.is_temp_name(f.name)}
 
     def delete(self, folder: Path) -> None:
         """Remove `folder` (a checkpoint of the replica) from the repo in one commit, then from the replica."""

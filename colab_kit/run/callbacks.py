@@ -23,6 +23,7 @@ from ..drive.drivefs import cloud_name
 from ..errors import ColabKitError
 from .best import restore_best, step_of
 from .disk import check_local_space
+from .savesettings import saves_at_epoch_end, strategy
 
 __all__ = ["SaveScheduleCallback", "DriveSyncCallback", "GaugesCallback", "bind", "rebind_output_dir"]
 
@@ -100,6 +101,7 @@ class SaveScheduleCallback(TrainerCallback):
         self._last_save_seconds = 0.0
         self._last_saved_step: int | None = None
         self._at_epoch_end: int | None = None  # a step whose save is left to the Trainer's epoch-end save
+        self._asked: int | None = None  # the step whose save the kit asked for, until the Trainer makes it
         self._journaled_interval: float | None = None
         self._told = False
 
@@ -107,7 +109,21 @@ class SaveScheduleCallback(TrainerCallback):
         self.run.clock.start()
         self._last_save_seconds = self.run.clock.seconds
         self._last_saved_step = state.global_step if self.run.resume_from is not None else None
-        self._at_epoch_end = None
+        self._at_epoch_end = self._asked = None
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.check_made(args)
+
+    def check_made(self, args) -> None:
+        """A save the kit asked for and the Trainer did not make (after the step's evaluation) is said and
+        journaled: the run's history then lacks that step, and `finish` must not read as if it did not."""
+        asked, self._asked = self._asked, None
+        if asked is None or asked == self._last_saved_step:
+            return
+        saving = strategy(getattr(args, "save_strategy", None))
+        self.run.journal.write("warn", what="save_dropped", step=asked, save_strategy=saving)
+        self.run.notices.add(f"the Trainer did not make the save the kit asked for at step {asked} "
+                             f"(save_strategy={saving!r}): that step is in no checkpoint")
 
     def on_step_end(self, args, state, control, **kwargs):
         self.run.poll()
@@ -126,6 +142,7 @@ class SaveScheduleCallback(TrainerCallback):
     def on_epoch_end(self, args, state, control, **kwargs):
         if self._at_epoch_end == state.global_step:  # the save left to this epoch end: made sure of, once
             control.should_save = True
+            self._asked = state.global_step
             check_local_space(self.run, kwargs.get("model"), state.global_step)
         self._at_epoch_end = None
         return control
@@ -143,10 +160,11 @@ class SaveScheduleCallback(TrainerCallback):
         epoch, and the last step of training ends one: a save asked for now would write that step's checkpoint
         twice (the second save rewriting the files of the first while it uploads), so that save is left to the
         epoch's end, where it also holds the epoch's evaluation (`on_epoch_end` makes sure it happens)."""
-        if _strategy(getattr(args, "save_strategy", None)) == "epoch" and _epoch_ends(state, control):
+        if saves_at_epoch_end(args) and _epoch_ends(state, control):
             self._at_epoch_end = step
             return
         control.should_save = True
+        self._asked = step
         check_local_space(self.run, model, step)  # the Trainer writes it to local disk next: a full disk is named first
 
     def interval(self) -> float:
@@ -201,12 +219,8 @@ class SaveScheduleCallback(TrainerCallback):
         self._last_saved_step = state.global_step
 
     def on_train_end(self, args, state, control, **kwargs):
+        self.check_made(args)
         self.run.clock.stop()
-
-
-def _strategy(value) -> str:
-    """A TrainingArguments strategy as its plain name ("epoch"), whether given as a string or an enum."""
-    return str(getattr(value, "value", value) or "")
 
 
 def _epoch_ends(state, control) -> bool:

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..drive.drivefs import HUB
+from .fresh import fresh_start_advice
+
 __all__ = ["describe_changes", "SCHEDULE_SHAPE"]
 
 SCHEDULE_SHAPE = ("max_steps", "num_train_epochs", "warmup_steps", "lr_scheduler_type")
@@ -30,8 +33,8 @@ def describe_changes(run, saved: dict, now: dict, args, total_steps: int | None)
         sentences.append(
             f"learning_rate {old} -> {new} is not applied: the optimizer and the schedule restored from "
             f"checkpoint-{step} keep the base rate {old}, as the Trainer does when it resumes. To train at {new}, "
-            f"start fresh (ck.start_run({run.name!r}, resume=False) archives the old checkpoints); to continue "
-            f"this run as it was, set learning_rate={old} again")
+            + fresh_start_advice(run.name, run.drive_dir, on_hub=run.durability == HUB)
+            + f"; to continue this run as it was, set learning_rate={old} again")
     shape = [key for key in changed if key in SCHEDULE_SHAPE]
     if shape:
         what = ", ".join(f"{key} {saved[key]} -> {now[key]}" for key in shape)

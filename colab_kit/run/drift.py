@@ -51,11 +51,12 @@ def describe_drift(step: int, saved: dict, now: dict) -> str | None:
                      if pins else ""))
 
 
-def note_failure(exc: BaseException, step: int, saved: dict, now: dict) -> None:
+def note_failure(exc: BaseException, step: int, saved: dict, now: dict, fresh: str) -> None:
     """Add to an error raised while resuming from checkpoint-`step` which versions changed since it was written
     (the likely cause when a load fails)."""
     changed = drift(saved, now)
     if changed and hasattr(exc, "add_note"):  # Python 3.11 and newer
         exc.add_note("colab_kit: checkpoint-{} was written under {}; if it cannot be loaded here, install those "
-                     "versions and restart the runtime, or start fresh: ck.start_run(..., resume=False)".format(
-                         step, ", ".join(f"{name} {then} (now {here})" for name, (then, here) in changed.items())))
+                     "versions and restart the runtime, or {}".format(
+                         step, ", ".join(f"{name} {then} (now {here})" for name, (then, here) in changed.items()),
+                         fresh))

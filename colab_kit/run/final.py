@@ -15,7 +15,6 @@ from __future__ import annotations
 import errno
 import json
 import shutil
-import time
 import uuid
 from datetime import datetime, timezone
 from pathlib import Path
@@ -23,6 +22,7 @@ from pathlib import Path
 from .._notices import no_shard_bars
 from .._units import format_bytes
 from ..checkpoints import storage, validity
+from ..checkpoints.clock import clock
 from ..checkpoints.checkpoint import ARCHIVE, FINAL, publish_folder
 from ..checkpoints.manifest import Manifest, hash_folder
 from ..drive.cloud import upload_for
@@ -78,7 +78,7 @@ def save_final(run, model, tokenizer=None, metrics: dict | None = None, retries:
                 raise DriveError(f"could not copy the final model to {target}: {exc}. It is saved on local "
                                  f"disk at {local}; copy it yourself, or call run.save_final(...) again "
                                  f"when Drive works" + _what_final_holds(target)) from exc
-            time.sleep(2 ** attempt)
+            clock.sleep(2 ** attempt)  # the clock seam: the simulator's virtual time, the tests' short waits
         except KeyboardInterrupt:
             print(f"colab_kit: stopped while exporting the final model; it is saved on local disk at {local}"
                   f"{_what_final_holds(target)} Run this cell again to export it.", flush=True)

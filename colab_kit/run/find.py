@@ -16,11 +16,13 @@ from pathlib import Path
 
 from .._notices import Notices
 from ..checkpoints import storage
-from ..checkpoints.checkpoint import ARCHIVE, CHECKPOINTS, KIT_STATE, list_checkpoints
-from ..checkpoints.journal import EVENTS, History, Journal
+from ..checkpoints.checkpoint import CHECKPOINTS, KIT_STATE, list_checkpoints
+from ..checkpoints.history import History
+from ..checkpoints.journal import EVENTS, Journal
 from ..checkpoints.search import RETRY_WAITS, Found, Search, read_told, search_checkpoints
 from ..errors import DriveError
 from .best import fetch_best, recorded_best
+from .fresh import fresh_start_advice
 
 __all__ = ["RESUME_MODES", "Finding", "find_resume", "set_aside_newer", "kit_state", "fetch_best_of"]
 
@@ -38,7 +40,8 @@ class Finding:
     search: Search | None
 
 
-def find_resume(name: str, drive_dir: Path, local: Path, *, resume, notices: Notices, journal: Journal) -> Finding:
+def find_resume(name: str, drive_dir: Path, local: Path, *, resume, notices: Notices, journal: Journal,
+                on_hub: bool = False) -> Finding:
     """Read what the journal says, search Drive and the local disk, and report what was passed over.
 
     Raises:
@@ -64,15 +67,15 @@ def find_resume(name: str, drive_dir: Path, local: Path, *, resume, notices: Not
     search = search_checkpoints(places, local, on_skip=skipped,
                                 told=told if resume is True else History(started=told.started, occupied=told.occupied))
     if search.blocked:
-        raise _blocked_error(name, drive_dir, search.blocked)
+        raise _blocked_error(name, drive_dir, search.blocked, on_hub)
     if search.unreadable:
         if search.found is None:  # never a fresh start on top of checkpoints that could not be read
-            raise _unreadable_error(name, drive_dir, search.unreadable)
+            raise _unreadable_error(name, drive_dir, search.unreadable, on_hub)
         _say_unreadable(notices, journal, search)
     return Finding(search.found, told, places, search)
 
 
-def _blocked_error(name: str, drive_dir: Path, blocked: list[tuple[Path, str]]) -> DriveError:
+def _blocked_error(name: str, drive_dir: Path, blocked: list[tuple[Path, str]], on_hub: bool) -> DriveError:
     path, reason = blocked[0]
     disk = " Free space on this VM's disk first (the copy back needs it)." if "disk is full" in reason else ""
     return DriveError(
@@ -80,18 +83,17 @@ def _blocked_error(name: str, drive_dir: Path, blocked: list[tuple[Path, str]]) 
         f"looked at {1 + len(RETRY_WAITS)} times over {sum(RETRY_WAITS):.0f} s. Drive hides files for a while "
         f"sometimes, so nothing was started, moved or deleted, and no older checkpoint was taken instead.{disk} "
         f"Run this cell again in a minute. If {path.name} is gone for good (deleted at drive.google.com), resume "
-        f"from the newest one that can be read: ck.start_run({name!r}, resume='readable'); or start fresh, "
-        f"which moves every checkpoint to {drive_dir / ARCHIVE}: ck.start_run({name!r}, resume=False)")
+        f"from the newest one that can be read: ck.start_run({name!r}, resume='readable'); or "
+        + fresh_start_advice(name, drive_dir, on_hub=on_hub))
 
 
-def _unreadable_error(name: str, drive_dir: Path, unreadable: list[tuple[Path, str]]) -> DriveError:
+def _unreadable_error(name: str, drive_dir: Path, unreadable: list[tuple[Path, str]], on_hub: bool) -> DriveError:
     names = "; ".join(f"{path.name}: {reason}" for path, reason in unreadable)
     disk = " Free space on this VM's disk first (the copy back needs it)." if "disk is full" in names else ""
     return DriveError(
         f"checkpoints of {drive_dir} could not be read ({names}), tried {1 + len(RETRY_WAITS)} times each; "
         f"nothing was started, moved or deleted.{disk} Run this cell again once Drive answers (if the mount "
-        f"itself is stuck: Runtime -> Restart session). To start fresh anyway, which moves every checkpoint to "
-        f"{drive_dir / ARCHIVE}: ck.start_run({name!r}, resume=False)")
+        f"itself is stuck: Runtime -> Restart session). Or, anyway, " + fresh_start_advice(name, drive_dir, on_hub=on_hub))
 
 
 def _say_unreadable(notices: Notices, journal: Journal, search: Search) -> None:

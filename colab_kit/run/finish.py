@@ -54,11 +54,9 @@ def finish_run(run, timeout: float | None, status: str, *, flush: bool = False, 
         let_go(run, f"{status}; stopped while writing to Drive")
         raise
     if not drained and not run.mirror.paused:  # paused: another runtime owns the folder now, or it is gone
-        summary = run.status() | {"status": status, "synced": False, "in_cloud": False}
-        run.notices.add(
-            f"NOT YET ON DRIVE: checkpoint(s) {run.mirror.pending_steps} are only on local disk "
-            f"({run.mirror.unsynced_reason or 'upload still running'}). Keep this runtime "
-            f"connected and call run.finish() again to keep waiting.")
+        # The run stays open (finish() again goes on): its status says so, never "finished" beside synced False.
+        summary = run.status() | {"status": "unsynced", "synced": False, "in_cloud": False}
+        run.notices.add(_not_yet_written(run))
         run.journal.write("warn", what="finish_unsynced", **summary)
         run.notices.show()
         return summary
@@ -78,8 +76,8 @@ def finish_run(run, timeout: float | None, status: str, *, flush: bool = False, 
                           pending_bytes=summary["pending_bytes"], durability=run.durability)
     run.journal.write("finish", **summary)
     _within(deadline, run.journal.flush)
-    if run.durability == HUB:  # the journal and the small files go up in one last commit
-        _within(deadline, lambda: run.mirror.sync_store(force=True))
+    if run.durability == HUB and not _journal_on_hub(run, deadline):  # the journal's last commit, said if it fails
+        summary["in_cloud"] = summary["journal_in_cloud"] = False  # lines on this VM only: nothing released on them
     run.mirror.finish_deletions(max(1.0, deadline - clock.monotonic()) if deadline is not None else 60.0)
     run.mirror.close(timeout=_left(deadline, 10.0))
     _within(deadline, run.lease.release, at_least=1.0)
@@ -93,6 +91,21 @@ def finish_run(run, timeout: float | None, status: str, *, flush: bool = False, 
     if flush:
         flush_drive(run)
     return dict(summary)
+
+
+def _not_yet_written(run) -> str:
+    """What finish says of checkpoints still waiting for the persistent folder, and what helps: waiting, or, where
+    a folder of the same step can be neither read whole nor replaced (a doubt waiting does not end), a look at it."""
+    pending = run.mirror.pending_steps
+    blocked = run.mirror.publisher.blocked_by
+    said = (f"NOT YET ON DRIVE: checkpoint(s) {pending} are only on local disk ({run.local_dir}) "
+            f"({run.mirror.unsynced_reason or 'upload still running'}). ")
+    if blocked is None:
+        return said + "Keep this runtime connected and call run.finish() again to keep waiting."
+    return said + (f"{blocked} holds files of another save of the same step that cannot be read whole or replaced "
+                   f"now, and waiting helps only if Drive starts answering for it: look at it (python -m colab_kit "
+                   f"status {run.drive_dir}); if it is not a checkpoint you need, delete {blocked.name} in Drive by "
+                   f"hand, then call run.finish() again (the kit never deletes a folder it cannot read).")
 
 
 def drain_with_countdown(mirror, deadline: float | None) -> bool:
@@ -156,10 +169,12 @@ def _finish_again(run, deadline: float | None, flush: bool) -> dict:
     wait_for_cloud(run.mirror.tracker, deadline)
     if run.mirror.tracker.all_in_cloud() and not run.mirror.paused:  # what reached the cloud since allows pruning
         _within(deadline, lambda: run.mirror.prune_now(deadline if deadline is not None else clock.monotonic() + 60))
+    journal_up = True
     if run.durability == HUB and not run.mirror.paused:  # what was journaled since (final/ in the cloud, say)
         _within(deadline, run.journal.flush)
-        _within(deadline, lambda: run.mirror.sync_store(force=True))
-    summary = run.status() | {k: run._summary[k] for k in ("status", "synced")} | {"in_cloud": _in_cloud(run)}
+        journal_up = _journal_on_hub(run, deadline)
+    summary = run.status() | {k: run._summary[k] for k in ("status", "synced")} | {
+        "in_cloud": _in_cloud(run) and journal_up, "journal_in_cloud": journal_up}
     run.notices.show()  # what the uploads and deletions since the first finish had to say
     report(run, summary, again=True)
     if flush:
@@ -208,17 +223,29 @@ def _in_cloud(run) -> bool | None:
     return run.mirror.tracker.all_in_cloud() and not run.mirror.dropped_steps
 
 
+def _journal_on_hub(run, deadline: float | None) -> bool:
+    """Commit the journal's last lines (and the small files) to the Hub; False, and said, when they did not go:
+    "everything is in the cloud" then is not true, and the runtime is not released on it."""
+    if _within(deadline, lambda: run.mirror.sync_store(force=True)) is True:
+        return True
+    run.notices.add(f"the journal's last lines (events.jsonl) are not on the Hub yet ({run.mirror.tracker.api.describe()}"
+                    f" did not take the commit now): they are on this VM only. Keep the runtime and call run.finish() "
+                    f"again")
+    return False
+
+
 def _left(deadline: float | None, most: float) -> float:
     return most if deadline is None else max(0.0, min(most, deadline - clock.monotonic()))
 
 
-def _within(deadline: float | None, fn, at_least: float = 0.2) -> None:
+def _within(deadline: float | None, fn, at_least: float = 0.2):
     """`fn()` on a helper thread, waited for until `deadline` (at least `at_least` s): a call that hangs on
-    Drive goes on in the background, and `finish` keeps its timeout."""
+    Drive goes on in the background, and `finish` keeps its timeout. Returns fn's result, None when late."""
     try:
-        clock.within(None if deadline is None else max(at_least, deadline - clock.monotonic()), fn)
+        return clock.within(None if deadline is None else max(at_least, deadline - clock.monotonic()), fn)
     except Late:
         log.info("%s goes on in the background (Drive is slow)", getattr(fn, "__name__", "a call"))
+        return None
 
 
 def report(run, summary: dict, *, waited: bool = True, again: bool = False) -> None:
@@ -250,6 +277,10 @@ def report(run, summary: dict, *, waited: bool = True, again: bool = False) -> N
         return
     where = (f"the newest checkpoint in the cloud is checkpoint-{newest.step} (saved "
              f"{format_age(clock.time() - newest.saved)} ago)") if newest else "no checkpoint is in the cloud"
+    if summary.get("journal_in_cloud") is False:
+        print(f"{head}; {where}. NOT YET IN THE CLOUD: the journal's last lines (events.jsonl) are on this VM only. "
+              f"Keep this runtime connected and call run.finish() again.")
+        return
     if not pending:
         print(f"{head}; everything is in the cloud: {where}.")
         return

@@ -22,9 +22,18 @@ from ..drive.drivefs import HUB
 from ..errors import CheckpointError, ColabKitError, DriveError
 from .registry import TrainClock
 
-__all__ = ["archive_checkpoints", "resume_argument", "start_over"]
+__all__ = ["archive_checkpoints", "resume_argument", "start_over", "fresh_start_advice"]
 
 _DRAIN_S = 120.0  # a fresh start waits this long for uploads under way before it moves anything
+
+
+def fresh_start_advice(name: str, drive_dir: Path, *, on_hub: bool) -> str:
+    """How to start this run fresh, as the advice of an error ends: `resume=False` archives a folder's
+    checkpoints; on the Hub, where `start_run` refuses it, the run starts over under a new name."""
+    if on_hub:
+        return (f"start fresh under a new name (a fresh start over a run kept on the Hub is not supported: "
+                f"resume=False is refused there): ck.start_run({name + '-2'!r}, store=...), the same store")
+    return f"start fresh, which moves every checkpoint to {drive_dir / ARCHIVE}: ck.start_run({name!r}, resume=False)"
 
 
 def archive_checkpoints(run, *, expected: bool = True) -> Path | None:

@@ -17,9 +17,13 @@ is found (Kaggle's secrets), and says so.
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
+from .._notices import Countdown
+from .._units import format_age, format_bytes
 from ..checkpoints import storage
+from ..checkpoints.clock import clock
 from ..errors import ColabKitError, DriveError
 from ..hub.address import HubAddress, is_hub_address
 from ..hub.lease import HUB_HEARTBEAT_S, HubLease
@@ -27,6 +31,7 @@ from ..hub.repo import HubRepo, HubUnavailable
 from ..hub.store import HubStore
 from ..hub.token import find_token
 from ..drive.mount import ENV_DRIVE
+from .hubstatus import mark_replica
 
 __all__ = ["hub_address", "HubOpening", "open_hub", "replica_of", "KAGGLE_REPO"]
 
@@ -88,6 +93,15 @@ def open_hub(name: str, address: HubAddress, local: Path, *, heartbeat_s: float 
     """
     token, _ = find_token()
     repo = HubRepo(address, token, endpoint=os.environ.get("HF_ENDPOINT"))  # read now, not at the client's import
+    repo.on_wait = _say_wait  # start_run's waits on a Hub that does not answer are said, not only logged
+    try:
+        return _open(name, address, local, repo, heartbeat_s=heartbeat_s, claim=claim)
+    finally:
+        repo.on_wait = None  # the uploader's own retries, later, are said by the gauges and finish
+
+
+def _open(name: str, address: HubAddress, local: Path, repo: HubRepo, *, heartbeat_s: float | None,
+          claim) -> HubOpening:
     replica = replica_of(name, local)
     try:
         repo.create()
@@ -103,7 +117,8 @@ def open_hub(name: str, address: HubAddress, local: Path, *, heartbeat_s: float 
     try:
         storage.make_dirs(replica / "checkpoints")
         store.ensure_lfs_rule()
-        pulled = store.pull()
+        pulled = store.pull(progress=PullProgress(name))
+        mark_replica(replica, address, lease.folder)
     except OSError as exc:  # HubUnavailable, a local disk that refused the replica
         lease.release()
         raise DriveError(f"cannot read the run {name!r} from {address} ({exc}): nothing was started. Run this cell "
@@ -112,3 +127,30 @@ def open_hub(name: str, address: HubAddress, local: Path, *, heartbeat_s: float 
         lease.release()
         raise
     return HubOpening(replica, lease, store, replaced, pulled)
+
+
+PULL_QUIET_S = 2.0  # a fill of the replica that takes longer says what it fetches
+
+
+def _say_wait(text: str) -> None:
+    print(f"colab_kit: {text}", file=sys.stderr, flush=True)
+
+
+class PullProgress:
+    """What the replica's filling says once it has taken a few seconds: bytes and files done, the rate and the time
+    left (a new VM fetches every kept checkpoint: GBs in real runs)."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.started = clock.monotonic()
+        self.countdown: Countdown | None = None
+
+    def __call__(self, done: int, total: int, files: int, all_files: int) -> None:
+        spent = clock.monotonic() - self.started
+        if self.countdown is None and spent < PULL_QUIET_S:
+            return  # a quick fill says nothing
+        self.countdown = self.countdown or Countdown()
+        rate = done / spent if spent > 0 else 0.0
+        left = f", ~{format_age((total - done) / rate)} left at {format_bytes(rate)}/s" if rate and done < total else ""
+        self.countdown.show(f"colab_kit: fetching run {self.name!r} from the Hub: {format_bytes(done)} of "
+                            f"{format_bytes(total)} ({files} of {all_files} files){left}")

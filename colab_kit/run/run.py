@@ -315,7 +315,7 @@ class Run:
                 (else it is kept, saying why: `run/release.py`).
 
         Returns:
-            `status()` plus "status", "synced" (all written) and "in_cloud" (all confirmed).
+            `status()` plus "status" ("unsynced": checkpoints wait, the run stays open), "synced", "in_cloud".
         """
         from .finish import finish_run
         from .release import release_runtime as release

@@ -226,7 +226,8 @@ def open_claimed(name: str, drive_dir: Path, local: Path, *, lease: Lease, runti
         journal = Journal(drive_dir / EVENTS, local_copy=local / EVENTS, guard=lease.check)
         recover_saved(local / SNAPSHOTS)  # saves the Trainer finished but the kit never got to upload
         _clean_local(local)
-        finding = find_resume(name, drive_dir, local, resume=resume, notices=notices, journal=journal)
+        finding = find_resume(name, drive_dir, local, resume=resume, notices=notices, journal=journal,
+                              on_hub=hub is not None)
         found = finding.found
         run = Run(name, drive_dir, local, on_drive=on_drive, save_every_s=save_every_s,
                   save_every_steps=save_every_steps, keep=keep, runtime=runtime, lease=lease,

@@ -19,6 +19,7 @@ from ..checkpoints import validity
 from ..drive.cloud import cloud_files
 from ..drive.drivefs import DRIVEFS, UNCONFIRMED, describe_kind, folder_kind, in_cloud
 from ..drive.lease import lease_staleness, read_lease
+from ..hub.address import is_hub_address
 
 __all__ = ["show_status", "headline"]
 
@@ -72,7 +73,15 @@ def _cloud_state(folder: Path, manifest, kind: str) -> tuple[str, int]:
 
 
 def show_status(run_dir: str, events: int, quick: bool) -> int:
+    from .hubstatus import replica_address, show_hub_status
+
+    if is_hub_address(run_dir):
+        return show_hub_status(run_dir, events)
     root = Path(run_dir)
+    on_hub = replica_address(root)
+    if on_hub is not None:  # what the Hub holds is the run; this VM's copy may be ahead of it or behind it
+        print(f"{root} is this VM's replica of a run on the Hugging Face Hub: what the Hub holds, read from it:")
+        return show_hub_status(on_hub, events)
     if not root.is_dir():
         print(f"no run folder at {root} (a run folder holds checkpoints/ and events.jsonl)", file=sys.stderr)
         return 2

@@ -12,8 +12,8 @@ from pathlib import Path
 
 from .._notices import no_shard_bars
 from .._units import is_count
-from ..checkpoints.checkpoint import ARCHIVE
 from ..distributed.resume import agree_resume
+from ..drive.drivefs import HUB
 from ..errors import ColabKitError, ResumeMismatchError
 from ..memory.recipes import make_length_grouping_resumable
 from ..runtime import library_versions
@@ -22,7 +22,8 @@ from .callbacks import bind
 from .changes import describe_changes
 from .drift import note_failure
 from .disk import explain_disk_full
-from .fresh import resume_argument, start_over
+from .fresh import fresh_start_advice, resume_argument, start_over
+from .savesettings import check_save_settings, keep_asked_saves
 from .stop import StopButton, keep_open_after_stop
 
 __all__ = ["train", "trainer_fingerprint", "check_compatible", "adjust_args", "planned_max_steps"]
@@ -47,6 +48,7 @@ def train(run, trainer, *, oom_recovery: bool = True, grow_back_after: int | Non
     if micro_batch is not None and not oom_recovery:
         raise ValueError("micro_batch needs the kit's training step: leave oom_recovery=True, or use "
                          "gradient_accumulation_steps in TrainingArguments instead")
+    check_save_settings(run, trainer)
     close_unheld_runs(f"before run {run.name!r} trains", keep=run)  # an earlier run the notebook let go of
     replaced, moved_from = bind(run, trainer)  # a trainer kept from an earlier run of the kernel: this run's now
     if replaced:
@@ -90,7 +92,7 @@ def train(run, trainer, *, oom_recovery: bool = True, grow_back_after: int | Non
             if _already_complete(run, planned, train_kwargs.get("resume_from_checkpoint")):
                 output = _load_completed(run, trainer, Path(train_kwargs["resume_from_checkpoint"]))
             else:
-                with no_shard_bars():
+                with no_shard_bars(), keep_asked_saves(trainer):
                     output = trainer.train(**train_kwargs)
         if stop.requested:  # the step ended and was saved: the cell ends as stopped, so "Run all" stops here
             raise KeyboardInterrupt
@@ -103,7 +105,8 @@ def train(run, trainer, *, oom_recovery: bool = True, grow_back_after: int | Non
         explain_disk_full(run, exc, trainer.model)
         resumed = run.resume_manifest
         if resumed is not None and trainer.state.global_step <= resumed.step:  # it failed loading the checkpoint
-            note_failure(exc, resumed.step, resumed.versions, library_versions())
+            note_failure(exc, resumed.step, resumed.versions, library_versions(),
+                         fresh_start_advice(run.name, run.drive_dir, on_hub=run.durability == HUB))
         run._close_gauges(error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}")
         if guard is not None and guard.after_step and is_oom_error(exc) and not isinstance(exc, OutOfMemoryError):
             run.journal.write("oom", step=trainer.state.global_step + 1, where="optimizer step",
@@ -210,8 +213,8 @@ def check_compatible(run, model, args, total_steps: int | None = None) -> None:
         raise ResumeMismatchError(
             f"checkpoint-{run.resume_manifest.step} in {run.drive_dir} was made by a different "
             f"setup, so training cannot continue from it: " + "; ".join(problems) + ". "
-            f"Restore the old settings to continue, or start fresh (old checkpoints are moved "
-            f"to {run.drive_dir / ARCHIVE}): ck.start_run({run.name!r}, resume=False)")
+            f"Restore the old settings to continue, or "
+            + fresh_start_advice(run.name, run.drive_dir, on_hub=run.durability == HUB))
     compatible = {k: v for k, v in run.fingerprint.items() if k not in INCOMPATIBLE}
     said = describe_changes(run, saved, compatible, args, total_steps)
     for sentence in said:

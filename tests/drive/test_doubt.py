@@ -8,6 +8,7 @@ the storage seam); the retention findings (1, 2, 4, 10) have unit tests in test_
 import errno
 import json
 import os
+import shutil
 import threading
 import time
 from dataclasses import asdict
@@ -182,18 +183,25 @@ def test_6_a_newer_complete_local_checkpoint_is_resumed_not_deleted(drive, local
     again.finish(timeout=10)
 
 
+def mirror_writing_checkpoint_10(drive, local, files: dict[str, int]):
+    """A mirror on `drive` (a DriveFS folder) given checkpoint-10 of random `files` (name -> size) to write;
+    returns it and the checkpoint's folder there."""
+    mirror = Mirror(drive, keep=2, journal=Journal(drive / "events.jsonl"), notices=Notices(), kind=DRIVEFS,
+                    backoff=(0.02, 0.1))
+    folder = local / "checkpoint-10"
+    folder.mkdir(parents=True)
+    for name, size in files.items():
+        (folder / name).write_bytes(os.urandom(size))
+    mirror.submit(take_snapshot(folder, local / SNAPSHOTS, 10))
+    return mirror, drive / "checkpoints" / "checkpoint-10"
+
+
 def test_7_an_upload_missing_for_a_moment_stays_pending_and_one_lost_is_uploaded_again(
         drive, local, monkeypatch):
     monkeypatch.setattr(upkeep, "MISSING_GRACE_S", 0.3)
-    journal = Journal(drive / "events.jsonl")
-    mirror = Mirror(drive, keep=2, journal=journal, notices=Notices(), kind=DRIVEFS, backoff=(0.02, 0.1))
+    mirror, target = mirror_writing_checkpoint_10(drive, local, {"model.safetensors": 20_000})
     try:
-        folder = local / "checkpoint-10"
-        folder.mkdir(parents=True)
-        (folder / "model.safetensors").write_bytes(os.urandom(20_000))
-        mirror.submit(take_snapshot(folder, local / SNAPSHOTS, 10))
         assert mirror.drain(10)
-        target = drive / "checkpoints" / "checkpoint-10"
         (target / "model.safetensors").unlink()  # Drive lost it (or hides it): the poll cannot find it
         mirror.wake()
         deadline = time.monotonic() + 10
@@ -320,3 +328,71 @@ def test_an_upload_for_helper_keeps_what_reupload_needs(tmp_path):
     write_manifest(folder, Manifest(step=1, files=hash_folder(folder)))
     upload = upload_for(folder, read_manifest(folder), "checkpoint-1", source=tmp_path / "snap")
     assert upload.manifest.step == 1 and upload.source == tmp_path / "snap" and upload.verified
+
+
+def test_9_an_upload_again_never_writes_into_another_runtimes_checkpoint_of_the_same_step(
+        drive, local, monkeypatch):
+    """Issue 46, path 9: this VM's checkpoint-10 went missing from Drive and the run was taken over meanwhile (this
+    VM's view of the lease is late): the new owner's checkpoint-10 is there now. Uploading again from the kept
+    local copy (the optimizer file theirs lacks is "missing") must read the folder now and leave another checkpoint alone (before: our files written into it,
+    after one look at the lease, so that the new owner's checkpoint no longer verified)."""
+    from colab_kit.checkpoints.checkpoint import publish_folder
+    from colab_kit.checkpoints.manifest import Manifest, hash_folder
+
+    monkeypatch.setattr(upkeep, "MISSING_GRACE_S", 0.3)
+    mirror, target = mirror_writing_checkpoint_10(drive, local, {"model.safetensors": 20_000, "optimizer.pt": 5_000})
+    try:
+        assert mirror.drain(10)
+        shutil.rmtree(target)  # lost from Drive; then the new owner's own checkpoint of the same step
+        theirs = local / "theirs"
+        theirs.mkdir()
+        (theirs / "model.safetensors").write_bytes(os.urandom(20_000))  # the same model's size; no optimizer
+        publish_folder(theirs, target, Manifest(step=10, files=hash_folder(theirs)))
+        expected = read_manifest(target)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and mirror.tracker.get("checkpoint-10") is not None:
+            mirror.tracker.get("checkpoint-10").next_poll = 0
+            mirror.wake()
+            time.sleep(0.05)
+        assert read_manifest(target) == expected and verify_folder(target) is None  # theirs, untouched
+        assert mirror.kept.reuploads == 0
+        assert mirror.tracker.get("checkpoint-10") is None  # no longer followed: not this runtime's
+        assert mirror.drain(10)
+        assert any(e.get("what") == "not_ours_now" for e in read_events(drive / "events.jsonl"))
+    finally:
+        mirror.close()
+
+
+def test_10_a_same_step_folder_that_stays_unreadable_is_said_with_what_helps(drive, local, drive_faults, capsys):
+    """Issue 46, path 10: another save's checkpoint-10 sits in the run folder and its model file cannot be read.
+    The publisher retries (it never deletes what it cannot read), and finish says so; before, its advice was
+    "call run.finish() again to keep waiting", which cannot help, and the open run's summary said status
+    'finished' beside synced False."""
+    from transformers import TrainerCallback
+
+    from colab_kit.checkpoints.checkpoint import publish_folder
+    from colab_kit.checkpoints.manifest import Manifest, hash_folder
+
+    run = ck.start_run("t", drive=drive, local_dir=local / "t", save_every=10, quiet=True, gauges=False)
+    run.mirror.backoff = (0.01, 0.05)
+    target = run.drive_dir / "checkpoints" / "checkpoint-10"
+
+    class AnotherSave(TrainerCallback):  # written by another save of this step while this one trains
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 5:
+                theirs = local / "theirs"
+                theirs.mkdir()
+                (theirs / "model.safetensors").write_bytes(os.urandom(20_000))
+                publish_folder(theirs, target, Manifest(step=10, files=hash_folder(theirs)))
+                drive_faults.fail(errno.EIO, ops="reads", match="checkpoint-10/model")
+
+    trainer = tiny_trainer(run, max_steps=10, callbacks=[*run.callbacks(), AnotherSave()])
+    trainer.train()
+    summary = run.finish(timeout=2)
+    said = capsys.readouterr().err
+    assert summary["status"] == "unsynced" and summary["synced"] is False, summary
+    assert "NOT YET ON DRIVE" in said and f"{target}" in said and "delete checkpoint-10 in Drive by hand" in said, said
+    assert read_manifest(target).files["model.safetensors"].size == 20_000  # theirs: nothing deleted or written
+    drive_faults.heal()  # Drive answers again: the gate can judge it now (a whole checkpoint of the step stays)
+    summary = run.finish(timeout=30)
+    assert summary["status"] != "unsynced" and run.mirror.publisher.blocked_by is None, summary

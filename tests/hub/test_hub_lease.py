@@ -102,3 +102,26 @@ def test_an_answer_other_than_yes_or_no_is_unknown_and_keeps_the_heartbeat(hub, 
     assert ours.step(lost.append) is True and lost == [] and not ours.lost
     hub.faults.clear()
     assert ours.check() is True
+
+
+def test_a_spell_of_429s_longer_than_the_watch_window_never_takes_a_live_runtime_over(hub, make_repo):
+    """Issue 46, path 1 (rate limits): while the Hub refuses every commit (its limit of commits per repo), a live
+    runtime's heartbeat cannot advance, and a silence is no evidence. Before, the second runtime watched through
+    the spell, saw no beat and took the live run over with its first commit after the spell (its in-flight
+    checkpoint then never landed). Now the watch begins only once the Hub took a commit of the watcher's own."""
+    first = lease(make_repo(waits=(2.0,)), "vm-1")  # a refused beat waits 2 s before its next try, as the Hub asks
+    first.acquire(run_name="rna")
+    stop = threading.Event()
+    beats = threading.Thread(target=lambda: [first.step(lambda who: None) for _ in iter(lambda: stop.wait(0.1), True)])
+    beats.start()
+    try:
+        hub.faults.fail_for(2.0, 429, endpoint="commit")  # over twice the 0.9 s watch window
+        second = lease(make_repo(waits=(0.5, 1.0, 1.0)), "vm-2")  # its tries go on past the spell's end
+        with pytest.raises(LeaseHeldError):
+            second.acquire(run_name="rna")
+        assert holder(hub)["session"] == first.info.session
+    finally:
+        stop.set()
+        beats.join()
+    first.commit("checkpoint-10", add={"rna/checkpoints/checkpoint-10/MANIFEST.json": b"{}"})  # still the writer
+    assert "rna/checkpoints/checkpoint-10/MANIFEST.json" in hub.state.files(REPO)

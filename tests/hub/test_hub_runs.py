@@ -147,3 +147,130 @@ def test_a_fresh_start_over_a_run_on_the_hub_is_refused_and_changes_nothing(hub_
         assert hub_checkpoints(hub_env, "old") == before == {5}
     finally:
         run.finish(timeout=60)
+
+
+def test_a_kernel_restart_keeps_the_journals_newer_lines_and_the_hub_gets_them(hub_env, tmp_path):
+    """Issue 46, path 3: lines written after the Hub's last journal commit (a kernel restart came first) were
+    lost for good when the next start_run on the same VM replaced the replica's journal with the Hub's older
+    copy. Now the replica keeps them (merged, never replaced) and the next commits take them to the Hub."""
+    local = tmp_path / "vm1" / "rna"
+    run = ck.start_run("rna", store="hf://user/runs", local_dir=local, save_every=5, gauges=False, quiet=True)
+    run.train(tiny_trainer(run, max_steps=10))
+    run.finish(timeout=60)
+    replica = tmp_path / "vm1" / "rna.hub" / "events.jsonl"
+    assert head_files(hub_env)["rna/events.jsonl"].content == replica.read_bytes()
+    unsent = json.dumps({"event": "warn", "what": "written_before_the_restart", "time": time.time()})
+    for copy in (replica, local / "events.jsonl"):  # what the kernel's journal wrote before its commit
+        copy.write_text(copy.read_text() + unsent + "\n")
+
+    run = ck.start_run("rna", store="hf://user/runs", local_dir=local, save_every=5, gauges=False, quiet=True)
+    assert unsent in replica.read_text().splitlines()
+    run.finish(timeout=60)
+    on_hub = head_files(hub_env)["rna/events.jsonl"].content.decode().splitlines()
+    assert on_hub.count(unsent) == 1 and on_hub.index(unsent) < len(on_hub) - 1  # once, before this start's lines
+
+
+def test_the_advice_to_start_fresh_on_the_hub_is_a_call_the_hub_store_takes(hub_env, tmp_path):
+    """Issue 46, path 8: a resume that cannot fit advised start_run(..., resume=False), which the Hub store
+    refuses. On the Hub the advice is a new name, and that call works."""
+    run = ck.start_run("rna", store="hf://user/runs", local_dir=tmp_path / "vm" / "rna", save_every=5,
+                       gauges=False, quiet=True)
+    run.train(tiny_trainer(run, max_steps=5))
+    run.finish(timeout=60)
+    run = ck.start_run("rna", store="hf://user/runs", local_dir=tmp_path / "vm" / "rna", save_every=5,
+                       gauges=False, quiet=True)
+    try:
+        with pytest.raises(ck.ResumeMismatchError) as raised:
+            run.train(tiny_trainer(run, max_steps=10, batch_size=8))  # another effective batch
+    finally:
+        run.finish(timeout=60)
+    advice = str(raised.value)
+    assert "resume=False)" not in advice and "ck.start_run('rna-2', store=...)" in advice
+    with pytest.raises(ValueError, match="resume=False on the Hub store"):  # what the old advice led to
+        ck.start_run("rna", store="hf://user/runs", local_dir=tmp_path / "vm" / "rna", resume=False, quiet=True)
+    again = ck.start_run("rna-2", store="hf://user/runs", local_dir=tmp_path / "vm" / "rna-2", save_every=5,
+                         gauges=False, quiet=True)
+    again.train(tiny_trainer(again, max_steps=5, batch_size=8))
+    assert again.finish(timeout=60)["cloud_step"] == 5
+
+
+def test_a_checkpoint_uploading_longer_than_the_watch_window_keeps_the_runtime_alive(hub_env, tmp_path, monkeypatch):
+    """Issue 46, path 1: the lease's heartbeat is a commit, and a checkpoint's commit held the lease's lock
+    while its files uploaded. An upload longer than the watch window (1.5 beats; here 1 s beats and an upload
+    stalled 8 s: a 1 GB checkpoint at 2 MB/s, scaled down) froze the heartbeat, a second runtime judged the
+    first dead and took the run over while it trained, and the checkpoint never landed. Now the data goes up
+    before the commit, outside the lock: the heartbeat beats on, the second runtime is refused, the checkpoint
+    lands."""
+    import socket
+
+    from transformers import TrainerCallback
+
+    hub = hub_env
+    seen = {}
+
+    class SecondRuntime(TrainerCallback):  # on the main thread, as a second notebook's start_run cell would be
+        def on_save(self, args, state, control, **kwargs):
+            if state.global_step == 5:  # the kit has queued checkpoint-5: its model file will hang 8 s
+                import hashlib
+
+                model = (tmp_path / "vm1" / "long" / "checkpoint-5" / "model.safetensors").read_bytes()
+                seen["puts"] = hub.state.count("lfs_upload", "PUT")
+                hub.faults.stall(8.0, endpoint="lfs_upload", path=hashlib.sha256(model).hexdigest())
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step != 6:
+                return
+            started = time.monotonic()
+            while hub.state.count("lfs_upload", "PUT") == seen["puts"]:  # the checkpoint's upload has begun
+                assert time.monotonic() - started < 30
+                time.sleep(0.05)
+            with monkeypatch.context() as other_vm:
+                other_vm.setattr(socket, "gethostname", lambda: "vm2")  # another host: watched for 1.5 beats
+                try:
+                    second = ck.start_run("long", store="hf://user/runs", local_dir=tmp_path / "vm2" / "long",
+                                          gauges=False, quiet=True)
+                    second.finish(timeout=10)  # it took the run over: the test fails below
+                    seen["second"] = "took the run over"
+                except ck.LeaseHeldError as exc:
+                    seen["second"] = str(exc)
+            seen["answered_s"] = time.monotonic() - started
+
+    run = ck.start_run("long", store="hf://user/runs", local_dir=tmp_path / "vm1" / "long", save_every=5,
+                       heartbeat_s=1.0, gauges=False, quiet=True)
+    trainer = tiny_trainer(run, max_steps=10, callbacks=[SecondRuntime()])
+    run.train(trainer)
+    summary = run.finish(timeout=60)
+    assert "in use by another runtime" in seen["second"] and seen["answered_s"] < 8.0  # refused while it uploaded
+    assert summary["cloud_step"] == 10 and summary["in_cloud"] is True and not run.lease.lost
+    events = read_events(tmp_path / "vm1" / "long.hub" / "events.jsonl")
+    assert {5, 10} <= {e["step"] for e in events if e["event"] == "cloud" and "step" in e}  # both landed
+
+
+def test_a_new_export_replaces_final_on_the_hub_whole_and_keeps_the_old_one_in_archive(hub_env, tmp_path):
+    """Issue 46, path 5: commits only add files, so after a second export the Hub's final/ held the new weights
+    beside the first export's metrics.json while finish said it was in the cloud, and the archive/ that the
+    message named existed only on the VM. Now final/ on the Hub holds exactly the new export, and the old one
+    is in archive/ there."""
+    run = ck.start_run("fin", store="hf://user/runs", local_dir=tmp_path / "vm" / "fin", save_every=5, gauges=False,
+                       quiet=True)
+    trainer = tiny_trainer(run, max_steps=5)
+    run.train(trainer)
+    run.save_final(trainer.model, metrics={"accuracy": 0.5})
+    assert run.finish(timeout=60)["in_cloud"] is True
+    assert "fin/final/metrics.json" in head_files(hub_env)
+
+    run = ck.start_run("fin", store="hf://user/runs", local_dir=tmp_path / "vm" / "fin", save_every=5, gauges=False,
+                       quiet=True)
+    trainer = tiny_trainer(run, max_steps=10)
+    run.train(trainer)
+    run.save_final(trainer.model)  # no metrics this time
+    assert run.finish(timeout=60)["in_cloud"] is True
+    files = head_files(hub_env)
+    final = {path for path in files if path.startswith("fin/final/")}
+    replica = tmp_path / "vm" / "fin.hub"
+    assert final == {f"fin/final/{p.relative_to(replica / 'final').as_posix()}"
+                     for p in (replica / "final").rglob("*") if p.is_file()}  # exactly the new export
+    assert "fin/final/metrics.json" not in final and verified_on_hub(files, "fin/final")
+    archived = [path for path in files if path.startswith("fin/archive/") and path.endswith("/metrics.json")]
+    assert len(archived) == 1  # the first export, kept where the store keeps things
+    assert json.loads(files[archived[0]].content) == {"accuracy": 0.5}

@@ -131,7 +131,8 @@ def test_a_changed_learning_rate_says_what_the_rate_will_do(tmp_path):
         ran = kernel.run_cell(TRAINING_CELL)
         assert ran.error is None, kernel.transcript()
         assert "learning_rate 0.002 -> 0.001 is not applied" in ran.text, ran
-        assert "To train at 0.001, start fresh (ck.start_run('rna-bert', resume=False)" in ran.text, ran
+        assert "To train at 0.001, start fresh, which moves every checkpoint to " in ran.text and \
+            "ck.start_run('rna-bert', resume=False); to continue" in ran.text, ran
         assert "completed; checkpoint-40 is saved" in ran.text, ran
         assert kernel.run_cell(FINISH_CELL).error is None
     assert_nothing_lost(run_dir, kernel)

@@ -79,3 +79,40 @@ def test_a_plain_folder_keeps_the_runtime_and_outside_colab_nothing_is_released(
     run.finish(timeout=30, release_runtime=True)
     assert colab_runtime.released == []
     assert "is not in Colab, so nothing is released" in capsys.readouterr().out
+
+
+def test_on_the_hub_the_runtime_is_kept_until_the_journals_last_lines_are_committed(hub_env, tmp_path,
+                                                                                    colab_runtime, capsys):
+    """Issue 46, path 4: finish(release_runtime=True) on the Hub judged "everything in the cloud" before the
+    journal's last commit, which could fail unsaid: the runtime went with lines on its disk only."""
+    import time
+
+    hub = hub_env
+    run = ck.start_run("end", store="hf://user/runs", local_dir=tmp_path / "vm" / "end", save_every=5, quiet=True,
+                       gauges=False)
+    trainer = tiny_trainer(run, max_steps=5)
+    run.train(trainer)  # ends with the run's first finish: checkpoint-5 and the journal so far are committed
+    run.save_final(trainer.model)
+    deadline = time.monotonic() + 60
+    while not run.mirror.tracker.all_in_cloud():  # final/ committed and verified; its "cloud" line is not yet up
+        assert time.monotonic() < deadline
+        run.mirror.tracker.poll(force=True)  # as finish() does (the run's uploader stopped at its first finish)
+        time.sleep(0.1)
+    hub.faults.fail_next(1000, 500, endpoint="commit")  # the Hub takes no commit for now
+    summary = run.finish(timeout=15, release_runtime=True)
+    said = capsys.readouterr().out
+    assert summary["in_cloud"] is False and colab_runtime.released == []
+    assert "the runtime is KEPT" in said and "journal's last lines (events.jsonl) are on this VM only" in said
+    hub.faults.clear()
+    summary = run.finish(timeout=60, release_runtime=True)  # the commit goes now: then the runtime is let go
+    assert summary["in_cloud"] is True and colab_runtime.released == [True]
+    assert any(e["event"] == "cloud" and e.get("what") == "final" for e in hub_events(hub, "end"))
+
+
+def hub_events(hub, run):
+    import json
+
+    from hub_checks import head_files
+
+    content = head_files(hub)[f"{run}/events.jsonl"].content.decode()
+    return [json.loads(line) for line in content.splitlines() if line.strip()]

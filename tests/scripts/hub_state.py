@@ -109,10 +109,12 @@ class _Rule:
     endpoint: str | None = None
     path: str | None = None  # regex searched in the URL path
     params: dict = field(default_factory=dict)
+    until: float | None = None  # a rule for a spell of time (time.monotonic()), not a count
 
     def matches(self, method: str, endpoint: str, path: str) -> bool:
         return (
-            (self.method is None or self.method.upper() == method)
+            (self.until is None or time.monotonic() < self.until)
+            and (self.method is None or self.method.upper() == method)
             and (self.endpoint is None or self.endpoint == endpoint)
             and (self.path is None or re.search(self.path, path) is not None)
         )
@@ -136,6 +138,12 @@ class Faults:
     def fail_next(self, n=1, status=500, *, method=None, endpoint=None, path=None, retry_after=None):
         """The next n matching requests answer `status` (429: with Retry-After if given)."""
         self._arm(_Rule("fail", n, method, endpoint, path, {"status": status, "retry_after": retry_after}))
+
+    def fail_for(self, seconds, status=429, *, method=None, endpoint=None, path=None, retry_after=None):
+        """Every matching request answers `status` for the next `seconds` (a rate limit's spell: every runtime's
+        commits refused alike, as the Hub's limit of commits per repo refuses them)."""
+        self._arm(_Rule("fail", 1 << 62, method, endpoint, path, {"status": status, "retry_after": retry_after},
+                        until=time.monotonic() + seconds))
 
     def stall(self, seconds, n=1, *, method=None, endpoint=None, path=None, body_fraction=0.5):
         """The next n matching requests hang `seconds`. Downloads (GET resolve) first send the

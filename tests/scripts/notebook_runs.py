@@ -65,5 +65,5 @@ def kill_after_first_durable_checkpoint_and_rerun(notebook, workdir, run_dir, *p
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     log = events(run_dir)
     starts = [i for i, e in enumerate(log) if e["event"] == "start"]
-    assert len(starts) == 2
+    assert len(starts) == 2, [log[i] for i in starts]  # this run and the killed one, each journaled once
     return durable, log[starts[1]:], again.stdout

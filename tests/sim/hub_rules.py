@@ -18,8 +18,8 @@ __all__ = ["HUB_RULES"]
 def unfenced_commits(patch) -> None:
     commit = HubRepo.commit
 
-    def unfenced(self, message, *, parent, add=None, delete=()):
-        return commit(self, message, parent=None, add=add, delete=delete)
+    def unfenced(self, message, *, parent, add=None, delete=(), sent=()):
+        return commit(self, message, parent=None, add=add, delete=delete, sent=sent)
 
     patch(HubRepo, "commit", unfenced)
 

@@ -13,7 +13,8 @@ import contextlib
 from colab_kit.checkpoints.clock import clock
 from colab_kit.checkpoints import search, snapshot, storage, validity
 from colab_kit.checkpoints.checkpoint import CHECKPOINTS, list_checkpoints
-from colab_kit.checkpoints.journal import EVENTS, read_history
+from colab_kit.checkpoints.history import read_history
+from colab_kit.checkpoints.journal import EVENTS
 from colab_kit.drive import lease as lease_module, retention
 from colab_kit.drive.gate import CheckpointGate, choose
 from colab_kit.drive.lease import Lease

@@ -1,0 +1,51 @@
+"""Waits on the Hub are said (issue 46, path 7): start_run on a Hub that does not answer said nothing for minutes
+(its retries were logged at INFO), and a new VM fetched every kept checkpoint and final/ with nothing printed."""
+
+import colab_kit as ck
+from colab_kit.hub.repo import HubRepo
+from colab_kit.run import hubstart
+from colab_kit.tasks.demo import tiny_trainer
+
+
+def trained(tmp_path, name, steps=15):
+    run = ck.start_run(name, store="hf://user/runs", local_dir=tmp_path / "vm1" / name, save_every=5, keep=3,
+                       gauges=False, quiet=True)
+    trainer = tiny_trainer(run, max_steps=steps)
+    run.train(trainer)
+    run.save_final(trainer.model)
+    assert run.finish(timeout=60)["in_cloud"]
+
+
+def test_start_run_on_a_hub_that_does_not_answer_says_that_it_waits_and_for_how_long(hub_env, tmp_path, capsys):
+    trained(tmp_path, "w")
+    capsys.readouterr()
+    hub_env.faults.fail_next(12, 503, endpoint="tree")  # past the client's own tries (its backoff at a hundredth)
+    run = ck.start_run("w", store="hf://user/runs", local_dir=tmp_path / "vm2" / "w", gauges=False, quiet=True)
+    try:
+        said = capsys.readouterr().err
+        assert "nothing was started" not in said and "on the Hub now (HTTP 503); trying again in 1 s" in said, said
+        assert run.resume_from is not None and run.resume_from.name == "checkpoint-15"
+    finally:
+        run.finish(timeout=30)
+
+
+def test_a_new_vm_fetches_the_newest_checkpoint_first_and_says_bytes_and_files(hub_env, tmp_path, capsys,
+                                                                              monkeypatch):
+    trained(tmp_path, "p")
+    fetched = []
+    download = HubRepo.download
+    monkeypatch.setattr(HubRepo, "download", lambda self, paths, *a, **k: (fetched.extend(paths),
+                                                                          download(self, paths, *a, **k)))
+    monkeypatch.setattr(hubstart, "PULL_QUIET_S", 0.0)  # a real fill says so after 2 s; this one is quick
+    capsys.readouterr()
+    run = ck.start_run("p", store="hf://user/runs", local_dir=tmp_path / "vm2" / "p", gauges=False, quiet=True)
+    try:
+        said = capsys.readouterr().err
+        assert "fetching run 'p' from the Hub:" in said and "files" in said and "KiB" in said, said
+        data = [p for p in fetched if p.startswith("p/checkpoints/") and not p.endswith("MANIFEST.json")]
+        steps = [int(p.split("/")[2].split("-")[1]) for p in data]
+        assert steps and steps == sorted(steps, reverse=True) and steps[0] == 15, fetched
+        finals = [i for i, p in enumerate(fetched) if p.startswith("p/final/") and not p.endswith("MANIFEST.json")]
+        assert finals and min(finals) > max(fetched.index(p) for p in data), fetched  # final/ after the checkpoints
+    finally:
+        run.finish(timeout=30)
