@@ -13,11 +13,11 @@ import errno
 import hashlib
 import json
 import os
-import time
 import uuid
 from pathlib import Path
 
 from .._units import format_bytes
+from ..checkpoints.clock import clock
 from .drivefs import ITEM_ID, MD5, UNCOMMITTED, is_drive_mount
 
 __all__ = ["drive_check"]
@@ -48,10 +48,10 @@ def _watch(path: Path, until, interval: float, timeout: float) -> tuple[list[dic
     The time is the midpoint between the last sample before and the first after, so it is off
     by at most half an interval.
     """
-    started = time.monotonic()
+    started = clock.monotonic()
     timeline, last, before = [], None, 0.0
     while True:
-        now = time.monotonic() - started
+        now = clock.monotonic() - started
         values = _read(path)
         if values != last:
             timeline.append({"t": round(now, 2), **values})
@@ -61,7 +61,7 @@ def _watch(path: Path, until, interval: float, timeout: float) -> tuple[list[dic
         if now >= timeout:
             return timeline, None
         before = now
-        time.sleep(interval)
+        clock.sleep(interval)
 
 
 def _api_for(api, folder: Path):
@@ -85,14 +85,14 @@ def _api_for(api, folder: Path):
 
 def _api_md5_s(api, path: Path, md5: str, interval: float, timeout: float, started: float) -> float | None:
     """Seconds from the end of the write until the API lists `path` with `md5` (None: not within timeout)."""
-    while time.monotonic() - started < timeout:
+    while clock.monotonic() - started < timeout:
         try:
             items = api.children(path.parent).get(path.name, [])
             if any(item.get("md5Checksum") == md5 for item in items):
-                return time.monotonic() - started
+                return clock.monotonic() - started
         except OSError:  # not there yet, or the API did not answer: look again
             pass
-        time.sleep(interval)
+        clock.sleep(interval)
     return None
 
 
@@ -118,7 +118,7 @@ def drive_check(folder: str | os.PathLike | None = None, *, size_mb: float = 100
     path = folder / f".colab_kit-drive-check-{uuid.uuid4().hex[:8]}.bin"
     size = int(size_mb * 1e6)
     report: dict = {"folder": str(folder.absolute()), "drive_mount": is_drive_mount(folder), "bytes": size}
-    started = time.monotonic()
+    started = clock.monotonic()
     digest = hashlib.md5()
     with open(path, "wb") as fh:
         left = size
@@ -129,8 +129,8 @@ def drive_check(folder: str | os.PathLike | None = None, *, size_mb: float = 100
             left -= len(block)
         fh.flush()
         os.fsync(fh.fileno())
-    report["write_s"] = round(time.monotonic() - started, 2)
-    written = time.monotonic()
+    report["write_s"] = round(clock.monotonic() - started, 2)
+    written = clock.monotonic()
     try:
         first = _read(path)
         report["attributes"] = {name: first[name] is not None for name in _ATTRS}
