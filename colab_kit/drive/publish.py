@@ -257,6 +257,8 @@ class Publisher:
         self.total_failures += 1
         self.unsynced_reason = f"{type(exc).__name__}: {exc}"
         delay = min(self.backoff[1], self.backoff[0] * 2 ** (self.failures - 1))
+        if self.blocked_by is not None:  # a doubt about the target: its next spaced look may be due sooner
+            delay = max(0.0, min(delay, self.gate.evidence.next_look_at([self.blocked_by]) - clock.monotonic()))
         disconnected = isinstance(exc, OSError) and exc.errno == errno.ENOTCONN
         message = (f"could not sync checkpoint-{snap.step} to {self.run_dir} ({exc}); training "
                    f"continues, retrying in {delay:.0f} s")

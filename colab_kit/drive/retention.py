@@ -125,6 +125,7 @@ class Pruner:
             listed = {s: p for s, p in list_checkpoints(self.root) if p not in set(self.gate.pending)}
         except OSError as exc:
             return self._doubt(f"the checkpoints could not be listed ({exc.strerror or exc})")
+        self.gate.evidence.new_pass(listed.values())
         followed = tracker.checkpoint_steps()
         if followed - set(listed):  # a listing that hides a checkpoint: look again later
             return self._doubt(f"checkpoint-{min(followed - set(listed))} is missing from the listing")

@@ -223,9 +223,11 @@ class MirrorWorker:
         if done is None or self.pruner.again:  # a doubt, or a deletion the gate kept: looked at again, backing off
             self._prune_backoff = min(_LADDER_AGAIN_S, 2 * self._prune_backoff or _PRUNE_AGAIN_S)
             self._prune_at = clock.monotonic() + self._prune_backoff
-            return
-        self._prune_backoff = 0.0
-        if self.pruner.kind == UNCONFIRMED and len(self.tracker.checkpoint_steps()) > 1:
-            self._prune_at = clock.monotonic() + _LADDER_AGAIN_S
         else:
-            self._prune_at = float("inf")
+            self._prune_backoff = 0.0
+            if self.pruner.kind == UNCONFIRMED and len(self.tracker.checkpoint_steps()) > 1:
+                self._prune_at = clock.monotonic() + _LADDER_AGAIN_S
+            else:
+                self._prune_at = float("inf")
+        # The spaced looks at a folder that may hold no checkpoint, one a pass: the next one is due then.
+        self._prune_at = min(self._prune_at, self.gate.evidence.next_look_at())

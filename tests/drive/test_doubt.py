@@ -396,3 +396,54 @@ def test_10_a_same_step_folder_that_stays_unreadable_is_said_with_what_helps(dri
     drive_faults.heal()  # Drive answers again: the gate can judge it now (a whole checkpoint of the step stays)
     summary = run.finish(timeout=30)
     assert summary["status"] != "unsynced" and run.mirror.publisher.blocked_by is None, summary
+
+
+def test_10_an_invalid_checkpoint_never_holds_the_mirrors_thread(drive, local, monkeypatch):
+    """Issue 46, path 10: a recycled runtime's checkpoint (its manifest, not its model file), where nothing
+    confirms uploads. Each pass waited out the spaced looks at it (absence is not evidence) on the mirror's
+    thread: 11 s a pass, and with saves 0.8 s apart the mirror wrote 3 of 12 to the run folder. The looks are
+    now one a pass, spread over the passes: every save reaches the folder, and the invalid one still goes only
+    once two spaced series of looks, ABSENT_FOR_S apart, found the file missing."""
+    from colab_kit.checkpoints import looks
+    from colab_kit.checkpoints.checkpoint import publish_folder
+    from colab_kit.checkpoints.manifest import Manifest, hash_folder
+    from colab_kit.drive import evidence
+    from colab_kit.drive.drivefs import UNCONFIRMED
+
+    monkeypatch.setattr(looks, "WAITS", (1.0, 2.0, 3.0))  # the kit's own spacing: what held the thread
+    monkeypatch.setattr(evidence, "ABSENT_FOR_S", 4.0)
+    recycled = local / "recycled"
+    recycled.mkdir()
+    (recycled / "model.safetensors").write_bytes(os.urandom(5_000))
+    target = drive / "checkpoints" / "checkpoint-1"
+    publish_folder(recycled, target, Manifest(step=1, files=hash_folder(recycled)))
+    (target / "model.safetensors").unlink()  # its upload died with its runtime
+    os.utime(target / MANIFEST, (time.time() - 7200, time.time() - 7200))
+
+    journal = Journal(drive / "events.jsonl")
+    mirror = Mirror(drive, keep=2, journal=journal, notices=Notices(), kind=UNCONFIRMED, backoff=(0.02, 0.1))
+    steps = list(range(10, 130, 10))
+    started = time.time()
+    try:
+        for step in steps:  # saves 0.8 s apart
+            folder = local / f"checkpoint-{step}"
+            folder.mkdir()
+            (folder / "model.safetensors").write_bytes(os.urandom(20_000))
+            mirror.submit(take_snapshot(folder, local / SNAPSHOTS, step))
+            time.sleep(0.8)
+        assert mirror.drain(30)
+        synced = [e["step"] for e in read_events(drive / "events.jsonl") if e["event"] == "sync"]
+        assert len(synced) >= len(steps) - 1, synced  # before: 3 of 12 ([10, 80, 120]), each pass held the thread
+
+        def pruned() -> list[dict]:
+            return [e for e in read_events(drive / "events.jsonl") if e["event"] == "prune" and 1 in e["steps"]]
+
+        deadline = time.monotonic() + 20  # the spaced looks go on without saves: passes are due for them
+        while not pruned() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        warned = [e for e in read_events(drive / "events.jsonl") if e.get("what") == "invalid_checkpoint"]
+        assert pruned() and [e["step"] for e in warned] == [1]
+        assert warned[0]["time"] - started >= 2 * looks.span() + evidence.ABSENT_FOR_S  # never sooner
+        assert (target / MANIFEST).stat().st_size == 0  # emptied (Trash-free), unlinked after Drive's grace
+    finally:
+        mirror.close()
