@@ -16,6 +16,7 @@ makes a takeover, a claim or a loss.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -30,6 +31,7 @@ from ..checkpoints.leasefile import LEASE, LeaseInfo, lease_staleness, parse_lea
 from ..errors import LeaseHeldError
 from .leasewatch import WATCH_BEATS, held_error, watch
 from .repo import HeadMoved, HubRepo, HubUnavailable
+from .verify import git_blob_id
 
 __all__ = ["HubLease", "LeaseLost", "HUB_HEARTBEAT_S"]
 
@@ -79,6 +81,7 @@ class HubLease:
         self.committed_at = clock.monotonic()
         self._checked_at = -float("inf")
         self._lock = threading.Lock()  # one commit at a time: the heartbeat thread and the uploader
+        self._committed: bytes | None = None  # the lease's bytes in this runtime's last commit
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -213,6 +216,7 @@ class HubLease:
         self.info.heartbeat = clock.time()
         files = {self.path: json.dumps(asdict(self.info)).encode()}
         self.head = self.repo.commit(message, parent=self.head, add=files, delete=list(delete), sent=sent)
+        self._committed = files[self.path]
         self.committed_at = self._checked_at = clock.monotonic()
         return self.head
 
@@ -221,6 +225,9 @@ class HubLease:
         the lease lost; None is unknown."""
         try:
             head = head or self.repo.head()
+            if self._unchanged_at(head):
+                self.head = head
+                return True
             current = self._lease_at(head, "NAME")
         except (OSError, LeaseHeldError):  # HubUnavailable, or another answer (401, 404): unknown, never lost
             return None
@@ -231,6 +238,23 @@ class HubLease:
             raise LeaseLost(current)
         self.head = head
         return True
+
+    def _unchanged_at(self, head: str) -> bool:
+        """Does the lease at `head` hold the very bytes this runtime committed last? Asked of the tree listing
+        (the Hub's API), not by a download: a head moved by another commit (a watcher's mark, another run of the
+        repo) is then followed while downloads fail, as they do when the Hub's file servers are down and its API
+        answers. A watch's marks, every quarter heartbeat, made every beat of the holder fail then (the sim's
+        seed 1044 of issue 46). Nobody else writes these bytes: a claim writes its own session."""
+        if self._committed is None:
+            return False
+        try:
+            listed = self.repo.listing(self.folder, revision=head).get(self.path)
+        except OSError:
+            return False  # the read below decides (or says unknown)
+        if listed is None:
+            return False  # missing from one listing: read it
+        return (listed.sha256 == hashlib.sha256(self._committed).hexdigest() if listed.sha256
+                else listed.blob_id == git_blob_id(self._committed))
 
     def check(self) -> bool | None:
         """Is the lease still this runtime's? True, False (lost), or None (unknown now). Asked before every write

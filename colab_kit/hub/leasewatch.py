@@ -6,8 +6,10 @@ included: its heartbeat stands still while it trains. A watch through such a spe
 its first commit after the spell (issue 46, path 1). So the watch begins with a commit of the watcher's own, a
 small file beside the lease (`lease.watch.json`: who watches whom, since when; never the lease, which stays
 the holder's): once the Hub took that, it takes commits, and a live holder, whose refused beats are tried again
-every quarter heartbeat, shows within the window. The Hub refusing that commit is no answer: nothing is taken
-over, and the user is told why. The file is left in the run's folder, overwritten by the next watch.
+every quarter heartbeat, shows within the window. The mark is committed again at that cadence (six small
+commits a watch): a spell of refusals that begins inside the window starts the window again once it ends. The
+Hub refusing the mark for long is no answer: nothing is taken over, and the user is told why. The file is left
+in the run's folder, overwritten by the next watch.
 """
 
 from __future__ import annotations
@@ -28,18 +30,35 @@ _MOVES = 8
 
 
 def watch(lease, previous: LeaseInfo, on_watch, run_name: str) -> str:
-    """Watch another host's lease `previous` for `WATCH_BEATS` of its heartbeats, from a moment the Hub took a
-    commit; returns the head at which it was seen unchanged at the end (dead), or raises `LeaseHeldError` (it
-    changed: alive; it could not be read; the Hub took no commit)."""
-    announce(lease, previous, run_name)
+    """Watch another host's lease `previous` for `WATCH_BEATS` of its heartbeats in which the Hub took the
+    watcher's commits; returns the head at which it was seen unchanged at the end (dead), or raises
+    `LeaseHeldError` (it changed: alive; it could not be read; the Hub took no commit)."""
     window = WATCH_BEATS * previous.heartbeat_s
-    deadline = clock.monotonic() + window
-    give_up = deadline + max(30.0, 2 * window)
+    every = min(30.0, previous.heartbeat_s / 4)  # the holder's own cadence of tries (`HubLease.start_heartbeat`)
+    announce(lease, previous, run_name)  # refused: nothing is watched, and the user is told why
+    probed = taken = clock.monotonic()
+    limit = taken + 3 * window + 120.0  # a watch that keeps starting again ends, refused, by then
+    deadline, give_up, refused = taken + window, taken + window + max(30.0, 2 * window), None
     while True:
-        left = deadline - clock.monotonic()
-        if on_watch is not None and left > 0:
-            on_watch(previous, left)
-        clock.sleep(min(max(left, 0.2), max(0.2, min(5.0, previous.heartbeat_s / 10))))
+        now = clock.monotonic()
+        if on_watch is not None and deadline > now:
+            on_watch(previous, deadline - now)
+        clock.sleep(min(max(deadline - now, 0.2), max(0.2, min(5.0, previous.heartbeat_s / 10)), every))
+        if clock.monotonic() - probed >= every:
+            # The mark again, at the holder's cadence: a spell in which the Hub takes no commit (refused, or
+            # answered only after its Retry-After) hides the holder's beats as well, so the window starts again
+            # once the Hub takes commits. (The sim's seed 1044 of issue 46: a spell from 0.6 to 1.6 windows in,
+            # and the claim landed 5 s after its end, before the live holder's next beat.)
+            probed = clock.monotonic()
+            try:
+                announce(lease, previous, run_name)
+            except LeaseHeldError as exc:
+                refused = exc
+            else:
+                if clock.monotonic() - taken > 2 * every + 1.0:  # (a second for a slow answer)
+                    deadline = clock.monotonic() + window
+                    give_up = min(deadline + max(30.0, 2 * window), limit)
+                taken, refused = clock.monotonic(), None
         try:
             head = lease.repo.head()
             current = lease._lease_at(head, run_name)
@@ -51,10 +70,18 @@ def watch(lease, previous: LeaseInfo, on_watch, run_name: str) -> str:
                     lease.took_over_because = "it was released while this runtime watched it"
                     return head
                 raise held_error(lease, previous, run_name)  # it moved: alive (or a third runtime claimed it)
-            if clock.monotonic() >= deadline:
+            if clock.monotonic() >= deadline and refused is None:
                 lease.took_over_because = f"its heartbeat did not advance in {format_age(window)}"
                 return head
-        elif clock.monotonic() >= give_up:
+        if clock.monotonic() >= give_up:
+            if refused is not None:
+                raise refused  # the Hub stopped taking commits while this runtime watched: not taken over
+            if current is not False:
+                raise LeaseHeldError(
+                    f"the Hub took this runtime's commits only now and then while it watched the lease of "
+                    f"{lease.repo.address}/{lease.folder} (host {previous.host}), so whether that runtime's "
+                    f"heartbeat advances could not show, and it was not taken over. Run this cell again in a few "
+                    f"minutes; if that runtime is gone: ck.start_run({run_name!r}, ..., takeover=True)")
             raise LeaseHeldError(f"the lease of {lease.repo.address}/{lease.folder} (host {previous.host}) could "
                                  f"not be read again to see whether its heartbeat advances, so it was not taken "
                                  f"over. Run this cell again; if that runtime is gone: "

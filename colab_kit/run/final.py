@@ -44,8 +44,8 @@ def save_final(run, model, tokenizer=None, metrics: dict | None = None, retries:
     if not run.ranks.writer:  # rank 0 exports the (identical) model
         return run.drive_dir / FINAL
     local = run.local_dir / FINAL
-    if local.exists():
-        shutil.rmtree(local)
+    if storage.exists(local):  # local disk goes through the storage seam too (the simulator's VM disks)
+        storage.remove_tree(local)
     with no_shard_bars():
         model.save_pretrained(local, safe_serialization=True)
     if merged:
@@ -54,7 +54,7 @@ def save_final(run, model, tokenizer=None, metrics: dict | None = None, retries:
         tokenizer.save_pretrained(local)
     metrics_json = (json.dumps(metrics, indent=1, default=float) + "\n").encode() if metrics is not None else None
     if metrics_json is not None:
-        (local / "metrics.json").write_bytes(metrics_json)
+        storage.atomic_write_bytes(local / "metrics.json", metrics_json, durable=False)
     manifest = Manifest(step=int(run.global_step or 0), files=hash_folder(local),
                         fingerprint=run.fingerprint or {})
     target = run.drive_dir / FINAL

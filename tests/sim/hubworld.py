@@ -4,23 +4,19 @@ instead of a Drive folder, with the kit's own code: `HubRepo` (on the simulated 
 (`start.open_claimed(hub=...)`, workers not threaded). The same schedules (`schedule.py`: saves, disconnects
 that take a VM's disk and replica with it, kernel restarts, second runtimes, clocks off or set back, saves of a
 step twice), with the Hub's own faults (5xx and 429s, timeouts, commit answers lost after the commit landed,
-listings that miss a file, outages), and the same invariants judged on the Hub's head (`HubInvariants`):
+listings that miss a file, outages), and the same invariants judged on the Hub's head (`hub_invariants.py`).
 
-  I1  once a checkpoint was whole on the Hub, one always is;
-  I2  no `cloud` claim is false when made (the head shows every file with the manifest's sha256);
-  I3  no commit lands that carries a lease other than the one at its parent's head, unless it is a claim (the
-      fencing: a runtime taken over never lands a commit), nor one of a runtime not holding the lease, but for a
-      watcher's mark beside the lease (`hub/leasewatch.py`);
-  I4  a resume picks the newest checkpoint whole on the Hub (or newer), never an older one or a fresh start;
-  I5  no commit deletes a checkpoint whole on the Hub unless a newer one is whole there and stays;
-  I6  a runtime that runs and beats is never taken over unasked;
-  I7, I8 at the end: what the holder saved last is whole on the Hub, and no more checkpoints are left than keep.
+Issue 46 added the Hub's own fault kinds: LFS uploads longer than a lease's watch window (the runtime busy with
+them, its heartbeat going on beside: `World.sleep`), spells of 429s for every commit longer than that window, and
+second runtimes that ask for the run while the first one works, and exports of final/ made again.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
-import re
+import random
 from pathlib import Path
 
 from colab_kit.checkpoints import storage
@@ -31,19 +27,21 @@ from colab_kit.hub.address import HubAddress
 from colab_kit.hub.lease import HubLease
 from colab_kit.hub.repo import HubRepo
 from colab_kit.hub.store import HubStore
+from colab_kit.hub.leasewatch import WATCH_BEATS
+from colab_kit.checkpoints.journal import EVENTS
+from colab_kit.checkpoints.manifest import MANIFEST, parse_manifest
 from colab_kit.run.start import open_claimed
 
-from invariants import Invariants
+from hub_invariants import HubInvariants
 from memfs import LOCAL
-from saves import OUT
+from saves import OUT, _payload
 from simhub import HubFaultRates, SimHub
 from world import _RUNTIME, World
 
-__all__ = ["HubWorld", "HubInvariants"]
+__all__ = ["HubWorld", "HubInvariants"]  # the invariants: hub_invariants.py
 
 ADDRESS = HubAddress.parse("hf://user/runs")
 REPLICA = Path(LOCAL) / "run.hub"
-_STEP = re.compile(r"^run/checkpoints/checkpoint-(\d+)/")
 
 
 class HubWorld(World):
@@ -55,13 +53,73 @@ class HubWorld(World):
         rates = HubFaultRates(fail=rng.choice((0.0, 0.02, 0.06)), lost=rng.choice((0.0, 0.05, 0.15)),
                               hide=rng.choice((0.0, 0.03)))
         self.hub = SimHub(self, rates, Path(LOCAL) / "hf-cache")
+        self.hub_outages: list[tuple[float, float]] = []
+        self._lease_seen = None
         self.invariants = HubInvariants(self)
         self.hub.on_commit = self.invariants.before_commit
         self.hub.after_commit = self._hub_committed
+        self._draw_issue_46_faults(rng)
+
+    def _draw_issue_46_faults(self, rng) -> None:
+        """Issue 46's Hub fault kinds, drawn after the others (the draws above replay the schedules of before):
+        LFS uploads slower than a lease's watch window, spells of 429s for commits longer than it, and a
+        second runtime that asks for the run (unforced) while the first one works."""
+        s, window = self.s, WATCH_BEATS * self.s.heartbeat_s
+        if rng.random() < 0.4:  # a checkpoint's upload takes 0.3 to 3 watch windows
+            self.hub.upload_bps = s.size * 4 / 3 / (window * rng.uniform(0.3, 3.0))
+        spells = sorted(rng.uniform(0.05, 0.95) * s.duration for _ in range(rng.choice((0, 0, 1, 2))))
+        self.hub.limited = [(t, t + window * rng.uniform(0.3, 4.0)) for t in spells]
+        seconds = sorted(rng.uniform(0.1, 0.95) * s.duration for _ in range(rng.choice((0, 1, 1, 2))))
+        # A second runtime that comes as a spell begins: its watch sees a holder whose heartbeat stands still.
+        self._seconds = sorted(seconds + [a + window * rng.uniform(0.0, 0.3) for a, _ in self.hub.limited
+                                          if rng.random() < 0.6])
+        self.export_share = rng.choice((0.0, 0.5, 1.0))  # how often a runtime exports final/ (and again)
+        if self.hub.upload_bps or self.hub.limited:
+            self.note(f"the Hub: uploads at {self.hub.upload_bps or 0:.0f} B/s, commits refused (429) in "
+                      f"{[(round(a), round(b)) for a, b in self.hub.limited]}, second runtimes at "
+                      f"{[round(t) for t in self._seconds]}")
+
+    def run(self) -> list[str]:
+        for t in self._seconds:
+            self.at(t, "second", None, False)
+        return super().run()
+
+    def _opened(self, rt, run, found, truth) -> None:
+        super()._opened(rt, run, found, truth)
+        if self.rng.random() < self.export_share:
+            self.at(self.clock.t + self.s.interval_s * self.rng.uniform(0.5, 3.0), "export", rt)
+
+    def _on_export(self, rt, _) -> None:
+        """The holder exports the model to final/ (`run.save_final`), now and then again: a new model, or the
+        same one again ("Run all" after training ended)."""
+        if self.ending or rt.run is None:
+            return
+        if rt.exported is None or self.rng.random() < 0.7:
+            rt.exports += 1
+        shape = random.Random(f"{rt.session}-{rt.exports}").random()  # the same model again: the same files
+        model = _Model(f"{rt.session}-{rt.exports}", self.s.size, shards=1 + (shape < 0.5))
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):  # an export's files differ: shards, metrics or none
+                target = rt.run.save_final(model, metrics={"exports": rt.exports} if shape < 0.3 or shape > 0.7 else None)
+            manifest = parse_manifest(storage.read_bytes(target / MANIFEST))
+            rt.exported = {name: entry.sha256 for name, entry in manifest.files.items()}
+            self.happened["exports of final/"] += 1
+        except (DriveError, OSError) as exc:
+            self.note(f"{rt} export failed: {type(exc).__name__}: {str(exc)[:80]}")
+        self.at(self.clock.t + self.s.interval_s * self.rng.uniform(0.5, 3.0), "export", rt)
+
+    def _on_beat(self, rt, _) -> None:
+        """The Hub lease's thread: it looks every quarter heartbeat (30 s at most) and commits when one is due, a
+        refused beat tried again at the next look (`HubLease.start_heartbeat`)."""
+        if rt.run.lease.step(rt.run._lease_lost):
+            self.at(self.clock.t + min(30.0, self.s.heartbeat_s / 4) * (1.0 + 0.2 * self.rng.random()), "beat", rt)
 
     def _hub_committed(self, files: dict) -> None:
+        """A commit landed: a lease renewed by it (a beat, or a commit of the holder's that carries the lease) is
+        the holder's sign of life; another runtime's commit beside an unchanged lease (a watcher's mark) is not."""
         entry = files.get("run/lease.json")
-        if entry is not None:
+        if entry is not None and entry.content != self._lease_seen:
+            self._lease_seen = entry.content
             try:
                 self.lease_landed[json.loads(entry.content)["session"]] = self.clock.t
             except (ValueError, KeyError, TypeError):
@@ -88,6 +146,7 @@ class HubWorld(World):
             rt.acquiring = False
         self.invariants.check_takeover(rt, previous, asked=bool(takeover))
         truth = self.invariants.truth_at_start(rt)
+        rt.owed = _journal_lines(REPLICA / EVENTS)  # a kernel restart's replica: lines the Hub may not have yet
         try:
             storage.make_dirs(REPLICA / "checkpoints")
             store.ensure_lfs_rule()
@@ -111,6 +170,7 @@ class HubWorld(World):
 
     def _on_enotconn(self, seconds) -> None:
         self.hub.down_until = self.clock.t + seconds
+        self.hub_outages.append((self.clock.t, self.hub.down_until))
         self.happened["hub outages"] += 1
         self.note(f"fault: the Hub does not answer for {seconds:.0f} s")
 
@@ -120,117 +180,28 @@ class HubWorld(World):
         self.note(f"fault: the Hub's downloads fail for {seconds:.0f} s (its API answers)")
 
     def _wind_down(self) -> None:
-        self.hub.rates = HubFaultRates()
+        self.hub.rates, self.hub.limited = HubFaultRates(), []
         self.hub.down_until = self.hub.hidden_until = self.hub.downloads_down_until = -1.0
         super()._wind_down()
 
 
-class HubInvariants(Invariants):
-    """The invariants judged on the Hub's head (module docstring)."""
+class _Model:
+    """What `run.save_final` needs of a model: `save_pretrained`, here onto the VM's disk (the storage seam)."""
 
-    def __init__(self, world):
-        super().__init__(world)
-        self._head = None
+    def __init__(self, key: str, size: int, shards: int = 1):
+        self.key, self.size, self.shards = key, size, shards
 
-    def _files(self) -> dict:
-        try:
-            return self.w.hub.state.commit_log("user/runs")[0].files
-        except Exception:  # noqa: BLE001 - no repo yet
-            return {}
-
-    def complete_steps(self) -> set[int]:
-        files = self._files()
-        head = id(files)
-        if head != self._head:
-            self._head, self._complete = head, whole_steps(files)
-        return self._complete
-
-    def _view_lease(self, rt):
-        return _lease(self._files())  # the Hub's head is what every runtime sees
-
-    def before_change(self, op: str, path: str, data: bytes | None = None) -> None:
-        return  # no Drive folder here: what changes the run is a commit (`before_commit`)
-
-    def before_commit(self, before: dict, after: dict, ops) -> None:
-        rt = self.w.fs.actor
-        lease_then, lease_now = _lease(before), _lease(after)
-        if lease_then is not None and lease_now is not None and lease_now[0] != lease_then[0] and not lease_then[1]:
-            if rt is None or not rt.acquiring:
-                self.violate("I3", f"{rt} commits over lease {lease_then[0]}'s with its own, not as a claim")
-            else:
-                self._claimed_from(rt, lease_then[0])
-        if lease_then is not None and lease_now is not None and lease_now[0] == lease_then[0] and rt is not None \
-                and rt.session != lease_now[0] and not (rt.acquiring and _only_the_watch_mark(before, after)):
-            self.violate("I3", f"{rt} commits while the lease is {lease_then[0]}'s")
-        was, will = whole_steps(before), whole_steps(after)
-        gone = was - will
-        if gone and not any(s > max(gone) for s in will):
-            self.violate("I5", f"{rt} commits away checkpoint(s) {sorted(gone)} whole on the Hub, leaving "
-                               f"{sorted(will) or 'none'} whole")
-
-    def _claimed_from(self, rt, session: str) -> None:
-        """I6 at the commit that claims the run: the holder it replaces must not be running and beating, unless
-        the claim was asked for (takeover=True). Judged here, not from what the claimer read: a read that failed
-        and was taken for "no lease" would hide the holder."""
-        holder = next((other for other in self.w.runtimes if other.session == session), None)
-        if rt.asked or holder is None or not holder.alive or holder.run is None:
-            return
-        landed = self.w.lease_landed.get(session)
-        beat = self.w.s.heartbeat_s
-        if landed is not None and landed > self.w.clock.t - beat:
-            self.violate("I6", f"{rt} claims the run from {holder}, which runs and whose lease reached the Hub "
-                               f"{self.w.clock.t - landed:.0f} s ago (a commit at least every {beat:.0f} s)")
-
-    def settled(self, rt) -> list[tuple[str, str]]:
-        complete = self.complete_steps()
-        if rt.saved is not None and rt.saved not in complete and not any(step > rt.saved for step in complete):
-            return [("I7", f"{rt} saved checkpoint-{rt.saved} last, and with every fault healed it is not whole on "
-                           f"the Hub (whole there: {sorted(complete)})")]
-        folders = {int(m.group(1)) for p in self._files() if (m := _STEP.match(p))}
-        mine = rt.saved if rt.saved is not None else rt.resumed
-        above = {f for f in folders if mine is None or f > mine}
-        bound = rt.run.mirror.keep + 1
-        if len(folders) > bound + len(above):
-            return [("I8", f"{len(folders)} checkpoints are left on the Hub ({sorted(folders)}); keep="
-                           f"{rt.run.mirror.keep} keeps {bound}, and {len(above)} are newer than any it saved")]
-        return []
+    def save_pretrained(self, folder, safe_serialization=True) -> None:
+        storage.make_dirs(folder)
+        names = ["model.safetensors"] if self.shards == 1 else \
+            [f"model-{i:05d}-of-{self.shards:05d}.safetensors" for i in range(1, self.shards + 1)]
+        for name in names:
+            storage.atomic_write_bytes(Path(folder) / name, _payload(self.key + name, self.size // len(names)),
+                                       durable=False)
 
 
-def _lease(files: dict):
-    entry = files.get("run/lease.json")
-    if entry is None:
-        return None
+def _journal_lines(path: Path) -> set[bytes]:
     try:
-        lease = json.loads(entry.content)
-        return lease["session"], bool(lease.get("released"))
-    except (ValueError, KeyError, TypeError):
-        return None
-
-
-def whole_steps(files: dict) -> set[int]:
-    """The checkpoints the snapshot `files` holds whole: a manifest, and every file it names with its sha256."""
-    steps = set()
-    for path, entry in files.items():
-        match = _STEP.match(path)
-        if match is None or not path.endswith("/MANIFEST.json"):
-            continue
-        try:
-            manifest = json.loads(entry.content)
-        except ValueError:
-            continue
-        folder = path[: -len("MANIFEST.json")]
-        if all((f := files.get(folder + name)) is not None and f.sha256 == want["sha256"] and f.size == want["size"]
-               for name, want in manifest["files"].items()):
-            steps.add(int(match.group(1)))
-    return steps
-
-
-def _only_the_watch_mark(before: dict, after: dict) -> bool:
-    """A watcher's commit of its mark beside the lease (`hub/leasewatch.py`), which changes nothing of the run."""
-    from colab_kit.hub.leasewatch import WATCH_MARK
-
-    def content(entry):
-        return getattr(entry, "content", entry)
-
-    changed = {p for p in set(before) | set(after) if content(before.get(p)) != content(after.get(p))}
-    return bool(changed) and all(p.rsplit("/", 1)[-1] == WATCH_MARK for p in changed)
+        return {line for line in storage.read_bytes(path).splitlines() if line.strip()}
+    except OSError:
+        return set()

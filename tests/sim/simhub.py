@@ -7,6 +7,10 @@ methods the kit's `HubRepo` calls, on the world's virtual clock, with faults dra
   hide     a tree listing that misses a checkpoint file
   down     for a while, nothing answers (the world's errno-107 windows)
   cdn      for a while, downloads fail while the API answers (the world's Drive-API outages)
+  limit    for a while, every commit is answered 429 with the time to the window's reset (the Hub's commits per
+           repo; uploads and reads go on)
+  slow     LFS uploads at `upload_bps`: a checkpoint's commit can take longer than a lease's watch window (the
+           data is sent first, `HubRepo.uploaded`; the runtime's heartbeat, a thread of its own, goes on meanwhile)
 
 Files the kit downloads are written to the VM's local disk through `storage` (the world's in-memory one).
 """
@@ -25,6 +29,9 @@ from hub_state import BRANCH, HubError, HubState, list_tree
 from colab_kit.checkpoints import storage
 
 __all__ = ["SimHub", "HubFaultRates"]
+
+
+_SMALL = 1024  # bytes: a lease, a mark or a journal line is sent at once, a checkpoint's file at `upload_bps`
 
 
 class _Answer(Exception):
@@ -52,6 +59,8 @@ class SimHub:
         self.state = HubState()
         self.down_until = self.downloads_down_until = -1.0
         self.hidden_until = -1.0  # a listing misses a file until then (the world's "hide" events)
+        self.limited: list[tuple[float, float]] = []  # (from, until): commits answered 429 then
+        self.upload_bps: float | None = None  # None: uploads take no time
         self.on_commit = None  # (actor, parent files, new files, ops) -> None: the invariants, before it lands
         self.after_commit = None  # (files) -> None
         self.commits = 0
@@ -71,6 +80,21 @@ class SimHub:
         if kind == "timeout":
             raise TimeoutError("timed out (simulated)")
         raise _Answer(int(kind), "simulated")
+
+    def limited_until(self) -> float | None:
+        """The end of the spell of 429s for commits under way now (None: commits are taken)."""
+        t = self.w.clock.t
+        return next((until for start, until in self.limited if start <= t < until), None)
+
+    def refused_between(self, start: float, end: float) -> float:
+        """The seconds of [start, end] in which the Hub took no commit from anyone (429 spells, outages)."""
+        spells = [(a, b) for a, b in self.limited] + [(a, b) for a, b in self.w.hub_outages]
+        covered, last = 0.0, start
+        for a, b in sorted(spells):
+            a, b = max(a, last), min(b, end)
+            if b > a:
+                covered, last = covered + b - a, b
+        return covered
 
     def _repo(self, repo_id: str, repo_type):
         try:
@@ -130,6 +154,17 @@ class SimHub:
 
     def preupload_lfs_files(self, repo_id, additions, *, repo_type=None, **_):
         self._weather()
+        size = sum(len(_bytes(op.path_or_fileobj)) for op in additions)
+        rt = self.w.fs.actor
+        if self.upload_bps and size > _SMALL and rt is not None:  # a checkpoint's file: it takes its time
+            self.w.happened["hub uploads slower than a watch window"] += size / self.upload_bps > 1.5 * self.w.s.heartbeat_s
+            rt.uploading = True
+            try:
+                self.w.sleep(size / self.upload_bps)
+            finally:
+                rt.uploading = False
+            self._weather()  # the Hub may have gone away meanwhile
+
 
     def create_commit(self, repo_id, operations, *, commit_message, commit_description="", parent_commit=None,
                       repo_type=None):
@@ -148,6 +183,12 @@ class SimHub:
             else:
                 folder = op.path_in_repo.endswith("/") or getattr(op, "is_folder", False) is True
                 ops.append(("deletedFolder" if folder else "deletedFile", {"path": op.path_in_repo.rstrip("/")}))
+        until = self.limited_until()
+        if until is not None:
+            self.w.happened["hub commits refused by a rate limit"] += 1
+            answer = _Answer(429, "simulated: too many commits")
+            answer.response.headers = {"Retry-After": str(max(1, int(until - self.w.clock.t + 1)))}
+            raise answer
         header = {"summary": commit_message, "description": commit_description or "", "parentCommit": parent_commit}
         before = repo.head.files
         if parent_commit and repo.head.id != parent_commit:

@@ -135,16 +135,15 @@ def main() -> int:
     parser.add_argument("--long-share", type=float, default=0.02)
     parser.add_argument("--trace", action="store_true")
     parser.add_argument("--hub", action="store_true", help="the run kept on the Hugging Face Hub (hubworld.py)")
-    parser.add_argument("--old-rule", choices=sorted(OLD_RULES) + ["40.1-unfenced", "40.2-one-listing",
-                                                                   "40.3-unread-absent"], default=None,
+    from hub_rules import HUB_RULES
+
+    parser.add_argument("--old-rule", choices=sorted(OLD_RULES) + sorted(HUB_RULES), default=None,
                         help="put back one of f65fb4d's rules (old_rules.py) and find the first seed it fails")
     args = parser.parse_args()
     world = World
     if args.hub:
         from hubworld import HubWorld as world
     if args.old_rule is not None:
-        from hub_rules import HUB_RULES
-
         with patched(args.old_rule, HUB_RULES if args.old_rule in HUB_RULES else None):
             failed, totals = run_seeds(range(args.first, args.first + args.seeds), args.long_share, stop_at_first=True,
                                        world=world)

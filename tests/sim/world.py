@@ -89,6 +89,10 @@ class Runtime:
         self.acquiring = False
         self.step = 0
         self.busy = False
+        self.exported: dict | None = None  # its last export of final/ (the Hub world's): name -> sha256
+        self.exports = 0
+        self.uploading = False  # its data on the way to the cloud (the Hub's LFS uploads take time): meanwhile
+        #                         its heartbeat, a thread of its own, goes on (`World.sleep`)
 
     def __repr__(self) -> str:
         return self.name
@@ -197,6 +201,10 @@ class World(TrainerSaves, WindDown):
         until = self.clock.t + seconds
         while self._events and self._events[0][0] <= until and not self.invariants.violations:
             t, _, kind, rt, payload = heapq.heappop(self._events)
+            if kind == "beat" and rt is not None and rt.alive and rt.busy and self._beats_meanwhile(rt):
+                self.clock.t = max(self.clock.t, t)
+                self._do(kind, rt, payload)  # the lease's thread, beside the upload that keeps its runtime busy
+                continue
             if rt is not None and (not rt.alive or rt.busy):
                 if rt.alive:
                     self.at(until + 0.5, kind, rt, payload)
@@ -209,6 +217,13 @@ class World(TrainerSaves, WindDown):
             self._do(kind, rt, payload)
         self.clock.t = max(self.clock.t, until)
 
+    @staticmethod
+    def _beats_meanwhile(rt: Runtime) -> bool:
+        """Does `rt`'s heartbeat go on while it is busy? Only while its data uploads outside the lease's lock
+        (a real thread would wait for a held lock: here that wait is the beat coming later)."""
+        lock = getattr(getattr(getattr(rt.run, "lease", None), "_lock", None), "locked", None)
+        return rt.run is not None and not (lock is not None and lock())
+
     def _do(self, kind: str, rt: Runtime | None, payload) -> None:
         handler = getattr(self, "_on_" + kind)
         if rt is None:
@@ -216,11 +231,11 @@ class World(TrainerSaves, WindDown):
             return
         previous = (self.fs.vm, self.fs.disk, self.fs.actor)
         self.fs.vm, self.fs.disk, self.fs.actor = rt.vm, rt.disk, rt
-        rt.busy = True
+        was_busy, rt.busy = rt.busy, True
         try:
             handler(rt, payload)
         finally:
-            rt.busy = False
+            rt.busy = was_busy
             self.fs.vm, self.fs.disk, self.fs.actor = previous
 
     # -- the runtimes' lives ------------------------------------------------------------------------------
