@@ -37,7 +37,7 @@ def test_the_whole_suite_collects_where_libfuse_cannot_load(tmp_path):
 def test_the_simulator_and_the_drive_api_run_where_libfuse_cannot_load(tmp_path):
     tests = ["tests/drive/test_simulation.py::test_no_invariant_breaks_with_the_run_on_a_faulty_hub[0]",
              "tests/drive/test_drive_api.py"]
-    env = _without_libfuse(tmp_path) | {"COLAB_KIT_HUB_SIMULATIONS": "20"}
+    env = _without_libfuse(tmp_path) | {"COLAB_KIT_HUB_SIMULATIONS": "100"}
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", *tests], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=240)
     out = done.stdout + done.stderr

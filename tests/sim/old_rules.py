@@ -200,13 +200,19 @@ OLD_RULES = {"1-absence": absence_is_a_fact, "3-settle": settle_rule, "4-heartbe
              "38.4-clock-age": heartbeat_age_by_this_clock}
 
 
+_INHERITED = object()  # the class had no attribute of its own: restoring deletes the patch
+
+
 @contextlib.contextmanager
 def patched(rule: str, rules: dict | None = None):
     """Run the block with the old rule `rule` (a key of OLD_RULES, or of `rules`: hub_rules.HUB_RULES) in place."""
     undo = []
 
     def patch(owner, name, value):
-        undo.append((owner, name, getattr(owner, name)))
+        # The raw attribute, not getattr's: getattr unwraps a staticmethod, and setting the bare function
+        # back would turn it into a method for every later test in the process.
+        own = vars(owner) if isinstance(owner, type) else None
+        undo.append((owner, name, own.get(name, _INHERITED) if own is not None else getattr(owner, name)))
         setattr(owner, name, value)
 
     (rules or OLD_RULES)[rule](patch)
@@ -214,4 +220,7 @@ def patched(rule: str, rules: dict | None = None):
         yield
     finally:
         for owner, name, value in reversed(undo):
-            setattr(owner, name, value)
+            if value is _INHERITED:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, value)
