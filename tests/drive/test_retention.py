@@ -279,12 +279,13 @@ def test_an_invalid_oldest_checkpoint_is_reported_and_goes_instead_of_holding_ev
         model.unlink()
     else:
         model.write_bytes(model.read_bytes()[:100])
+    started = time.monotonic()  # before the first pass: its look begins the first series
     assert folder.prune() is not None
     if damage == "model file never arrived":  # one look a pass: a fact only after two spaced series of them
         from colab_kit.checkpoints import looks
 
         assert 10 in folder.steps()
-        started, needs = time.monotonic(), 2 * looks.span() + evidence.ABSENT_FOR_S
+        needs = 2 * looks.span() + evidence.ABSENT_FOR_S
         while 10 in folder.steps() and time.monotonic() - started < needs + 5:
             passed = time.monotonic() - started
             assert folder.prune() is not None
