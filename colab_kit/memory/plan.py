@@ -12,7 +12,9 @@ margin; a relative cost per optimizer step; and the one to use.
 
 How it predicts (stated, since a user decides on it): `steptrace.FakeStep` traces one step of the
 user's own model on fake tensors for each precision and checkpointing setting, at the whole
-per-device batch and the longest sequence that will occur, and the optimizer step once. A smaller
+per-device batch and the longest sequence that will occur, and the optimizer step once. A model of
+repeated blocks is traced as copies with 2 and 3 of them, and its full depth derived moment by moment
+(`depth.py`): seconds, not minutes, for a 1.5 B model on 2 cores, the same bytes where the blocks are alike. A smaller
 micro-batch holds the same weights, optimizer state and whole gradients (they accumulate) and the
 activations, temporaries and inputs at the traced peak scaled by its share of the batch. What a GPU
 holds outside the trace is added: the CUDA context (outside PyTorch's allocator) and cuBLAS's
@@ -125,7 +127,7 @@ class MemoryPlan:
 
 def plan_memory(model_or_trainer, training_args=None, *, optimizer=None, batch=None, gpu="auto", lengths=None,
                 margin: float = 0.10, freeze: int | None = None, four_bit: bool = False,
-                verbose: bool = True) -> MemoryPlan:
+                verbose: bool = True, full_depth: bool = False) -> MemoryPlan:
     """A memory plan for one training step of this model on a GPU, made on fake tensors (nothing is
     allocated, nothing downloaded; seconds on a CPU).
 
@@ -145,7 +147,10 @@ def plan_memory(model_or_trainer, training_args=None, *, optimizer=None, batch=N
             will do): its linear layers but the head in 4 bits (NF4, double quantization, computing in bf16
             where the GPU has it, else fp16), the other weights upcast to float32 by peft's
             `prepare_model_for_kbit_training`. A model already loaded in 4 bits is planned as it is.
-        verbose: print the plan.
+        verbose: print the plan (and, when it takes more than two seconds, a line per configuration traced).
+        full_depth: trace every block of the model. By default a model of repeated blocks is traced as copies
+            with 2 and 3 of them and the full depth derived, the same bytes where its blocks are alike
+            (`depth.py`; the plan's notes say which was done).
     """
     import time
 
@@ -158,7 +163,9 @@ def plan_memory(model_or_trainer, training_args=None, *, optimizer=None, batch=N
     plan = MemoryPlan(model=type(inputs.model).__name__, gpu=target, gpu_note=gpu_note, batch=inputs.batch_size,
                       seq_len=inputs.seq_len, lengths_note=inputs.lengths_note, margin=margin,
                       notes=list(inputs.notes))
-    plan.rows, plan.host = make_rows(inputs, target, plan.budget, freeze=freeze, four_bit=four_bit)
+    say = (lambda line: print(line, flush=True)) if verbose else None
+    plan.rows, plan.host = make_rows(inputs, target, plan.budget, freeze=freeze, four_bit=four_bit,
+                                     full_depth=full_depth, say=say)
     plan.notes = list(inputs.notes)  # with what planning found
     plan.seconds = time.perf_counter() - started
     _PLANS[inputs.model] = plan  # for preflight's verdicts

@@ -21,6 +21,8 @@ __all__ = ["PlanRow", "make_rows", "micro_batches", "step_parts"]
 CUBLAS_WORKSPACE = 9 << 20  # PyTorch's default cuBLAS (4 MiB x 2 + small) and cuBLASLt (1 MiB) workspaces
 UTILISATION = 0.5  # of the datasheet rate a training step's matrix products reach
 LAUNCH_S = 8e-6  # per operation per micro-batch on a GPU (launch and the small memory-bound kernels)
+SAY_AFTER_S = 2.0  # a plan that has taken longer says what it traces next
+SAY_AT_ONCE = 1 << 30  # bytes of weights from which a plan takes seconds: it says so from its first trace
 
 @dataclass
 class PlanRow:
@@ -58,16 +60,18 @@ def micro_batches(batch: int) -> list[int]:
 
 
 def make_rows(inputs: PlanInputs, target: GpuTarget, budget: int, *, freeze: int | None = None,
-              four_bit: bool = False):
+              four_bit: bool = False, full_depth: bool = False, say=None):
     """Every configuration's row, and the host RAM the run needs at load, at save (and at merge, for an
-    adapter)."""
+    adapter). `say(line)` is told what is traced next once the plan has taken more than SAY_AFTER_S."""
     import torch
 
     quantized = (torch.bfloat16 if target.bf16 else torch.float16) if four_bit else None
-    steps = {inputs.optimizer_name: FakeStep(inputs.model, inputs.make_optimizer, four_bit=quantized)}
+    shallow = not full_depth
+    steps = {inputs.optimizer_name: FakeStep(inputs.model, inputs.make_optimizer, four_bit=quantized,
+                                             shallow=shallow)}
     lighter = _adafactor(inputs)
     if lighter is not None:
-        steps["adafactor"] = FakeStep(inputs.model, lighter, four_bit=quantized)
+        steps["adafactor"] = FakeStep(inputs.model, lighter, four_bit=quantized, shallow=shallow)
     if freeze:
         steps[f"{inputs.optimizer_name}, {freeze} blocks frozen"] = FakeStep(inputs.model, inputs.make_optimizer,
                                                                               freeze=freeze, four_bit=quantized)
@@ -86,6 +90,8 @@ def make_rows(inputs: PlanInputs, target: GpuTarget, budget: int, *, freeze: int
     rows: list[PlanRow] = []
     baseline = None
     traces: dict = {}  # (step, precision, checkpointing) -> its trace: another optimizer reuses the main one's
+    owners = [step for name, step in steps.items() if step is main or "frozen" in name]  # the others reuse theirs
+    progress = _Progress(say, len(owners) * len(precisions) * len(checkpointing), at_once=main.weights > SAY_AT_ONCE)
     for name, step in steps.items():
         optimizer_peak = step.trace_optimizer_step()
         for precision in precisions:
@@ -93,6 +99,8 @@ def make_rows(inputs: PlanInputs, target: GpuTarget, budget: int, *, freeze: int
                 own = step if (step is main or "frozen" in name) else main
                 key = (id(own), precision, ckpt)
                 if key not in traces:
+                    progress.next(f"{precision}, checkpointing {'on' if ckpt else 'off'}"
+                                  + (f", {name}" if "frozen" in name else ""))
                     traces[key] = own.trace(inputs.spec(inputs.batch_size), precision=precision, checkpointing=ckpt,
                                             keep_outputs=inputs.keep_outputs)
                 trace = traces[key]
@@ -112,7 +120,37 @@ def make_rows(inputs: PlanInputs, target: GpuTarget, budget: int, *, freeze: int
                                         cost=seconds + k * trace.ops * LAUNCH_S, current=current and k == 1))
     for row in rows:  # relative to the run as it is now
         row.cost = row.cost / baseline if baseline else 1.0
+    inputs.notes.append(_how_traced(main, traces[(id(main), precisions[0], False)], len(traces)))
     return rows, _host(main, inputs.model, four_bit)
+
+
+def _how_traced(main: FakeStep, trace, count: int) -> str:
+    """What the plan traced and what it derived (said in the plan: a user decides on it)."""
+    if trace.derived:
+        how = (f"forward and backward traced {trace.derived} and derived for all {main.depth} (the bytes after every "
+               f"operation follow a line in the depth; bench/plan_speed.py checks it against full-depth traces)")
+    else:
+        how = "forward and backward traced at full depth" + (
+            f" ({main.depth} blocks)" if main.depth else "")
+    return f"{count} configurations traced: {how}; the optimizer step traced on the whole model, once per optimizer"
+
+
+class _Progress:
+    """A line per trace once the plan has taken more than SAY_AFTER_S: a plan that is working says so."""
+
+    def __init__(self, say, total: int, at_once: bool = False):
+        import time
+
+        self.say, self.total, self.done, self.at_once = say, total, 0, at_once
+        self.started = time.perf_counter()
+
+    def next(self, what: str) -> None:
+        import time
+
+        self.done += 1
+        elapsed = time.perf_counter() - self.started
+        if self.say is not None and (self.at_once or elapsed > SAY_AFTER_S):
+            self.say(f"memory plan: {elapsed:.0f} s, tracing {what} ({self.done} of {self.total})")
 
 
 def step_parts(trace, step: FakeStep, optimizer_peak, swap: int, share: float, k: int) -> dict:
