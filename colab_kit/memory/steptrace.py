@@ -139,11 +139,15 @@ class FakeStep:
     def _derived(self, batch: dict, **settings) -> StepTrace | None:
         """The step of every block from copies with SHALLOW and SHALLOW + 1 (None when those do not line up)."""
         started = time.perf_counter()
-        if self._shallow is None:
-            model, optimizer, round_to, four_bit = self._shallow_args
-            self._shallow = [FakeStep(model, optimizer, round_to=round_to, four_bit=four_bit, blocks=n,
-                                      shallow=False) for n in (SHALLOW, SHALLOW + 1)]
-        short, long = (step.traced(batch, timeline=True, **settings) for step in self._shallow)
+        try:
+            if self._shallow is None:
+                model, optimizer, round_to, four_bit = self._shallow_args
+                self._shallow = [FakeStep(model, optimizer, round_to=round_to, four_bit=four_bit, blocks=n,
+                                          shallow=False) for n in (SHALLOW, SHALLOW + 1)]
+            short, long = (step.traced(batch, timeline=True, **settings) for step in self._shallow)
+        except Exception:  # noqa: BLE001 - a model whose code needs all its blocks (a count read from its config)
+            self._shallow_args = None  # traced at full depth, as it was before; the full trace raises its own
+            return None
         whole = {"weights": tensor_bytes(self.model.parameters(), self.round_to), "optimizer": self.optimizer_state}
         parts = extrapolate(short.timeline, long.timeline, SHALLOW, self.depth, whole)
         if parts is None:

@@ -119,3 +119,20 @@ def test_a_plan_says_what_it_traced_and_derived_and_that_it_is_working(capsys, m
                           verbose=False)
     assert "traced at full depth" in next(n for n in full.notes if "configurations traced" in n)
     assert [r.peak for r in plan.rows] == pytest.approx([r.peak for r in full.rows], rel=1e-3)
+
+
+def test_a_model_that_needs_all_its_blocks_is_traced_at_full_depth():
+    class Counted(torch.nn.Module):  # its forward checks its block count, as some models' code reads its config
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(LAYERS))
+
+        def forward(self, x):
+            assert len(self.blocks) == LAYERS, "built with another depth"
+            for block in self.blocks:
+                x = block(x)
+            return (x.square().mean(),)
+
+    step = FakeStep(Counted(), None)
+    trace = step.trace({"x": ((4, 16), torch.float32)})
+    assert trace.derived == "" and trace.peak == step.traced({"x": ((4, 16), torch.float32)}).peak
