@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..checkpoints import storage
-from ..checkpoints.checkpoint import ARCHIVE, CHECKPOINTS, FINAL, step_of
+from ..checkpoints.checkpoint import ARCHIVE, CHECKPOINTS, FINAL, recorded_best, step_of
 from ..checkpoints.clock import clock
 from ..checkpoints.journal import EVENTS
 from ..checkpoints.manifest import MANIFEST, Manifest, parse_manifest
@@ -131,8 +131,6 @@ class Fill:
         """The folder key of the checkpoint that the chosen one's trainer_state.json names as best."""
         if chosen is None:
             return None
-        from ..run.best import recorded_best  # the Trainer's bookkeeping is read in one place
-
         best = recorded_best(self.store.replica / chosen)
         return f"{CHECKPOINTS}/checkpoint-{best}" if best is not None else None
 

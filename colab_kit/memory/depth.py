@@ -26,6 +26,8 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass, field
 
+from .tracked import parts_of
+
 __all__ = ["Timeline", "find_blocks", "recording", "aligned", "extrapolate", "linear", "SHALLOW"]
 
 SHALLOW = 2  # the copies have 2 and 3 blocks: the lowest block may run differently (a mask made once)
@@ -77,8 +79,6 @@ def recording(tracker, model, blocks_path: str):
     above), and the lowest block's ends when the gradient of its input does. Recomputation (gradient
     checkpointing) runs inside the backward of its block, and is counted there."""
     import torch
-
-    from .steptrace import parts_of
 
     blocks = model.get_submodule(blocks_path)
     timeline = Timeline()

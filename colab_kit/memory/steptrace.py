@@ -27,14 +27,13 @@ from dataclasses import dataclass
 
 from .depth import SHALLOW, extrapolate, find_blocks, linear, recording
 from .fakecopy import fake_copy, frozen_as_buffers, same_optimizer, tensor_bytes
+from .tracked import parts_of
 from .fourbit import replace_linear
 from .recipes import set_checkpointing
 
-__all__ = ["StepTrace", "FakeStep", "PRECISIONS", "parts_of"]
+__all__ = ["StepTrace", "FakeStep", "PRECISIONS"]
 
 PRECISIONS = ("fp32", "fp16", "bf16")
-_CATEGORIES = {"Parameter": "weights", "Buffer": "buffers", "Gradient": "gradients", "Activation": "activations",
-               "Temp": "temporaries", "Optstate": "optimizer", "Other": "inputs"}
 
 
 @dataclass
@@ -215,16 +214,6 @@ class FakeStep:
             parts = parts_of(tracker.get_tracker_snapshot("peak"))
         return StepTrace(peak=parts.pop("Total"), parts=parts, gradients=self.trainable, flops=0, ops=counter.count,
                          seconds=time.perf_counter() - started)
-
-
-def parts_of(snapshot) -> dict:
-    """The tracker's peak snapshot, summed over devices, with the kit's names."""
-    parts: dict = {}
-    for per_device in snapshot.values():
-        for key, value in per_device.items():
-            name = _CATEGORIES.get(getattr(key, "value", key), "Total" if key == "Total" else str(key))
-            parts[name] = parts.get(name, 0) + int(value)
-    return parts
 
 
 class _OpCounter:
