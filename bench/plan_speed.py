@@ -7,7 +7,7 @@ repeated blocks traced as copies with 2 and 3 of them, its full depth derived: `
 with `full_depth=True` (every block traced). Printed: each one's time, their ratio, and the largest difference
 between the two plans' peaks over every row (each configuration and micro-batch). `--before` also times the plan
 as it was made before issue 47: full depth, with the memory tracker's walk over every module after every
-operation (`steptrace._peak_only` undone), which made a full trace grow with the square of the depth. Models are
+operation (`steptrace._peak_only` not applied), which made a full trace grow with the square of the depth. Models are
 built from their published configs on the `meta` device (no memory, no download); the LoRA adapters are peft's,
 r16 on every linear layer; "QLoRA" plans them as bitsandbytes loads them in 4 bits (`four_bit=True`).
 """
@@ -84,8 +84,6 @@ SHAPES = {
 
 def plan_once(key: str, full_depth: bool, before: bool = False):
     """(seconds, plan) of one plan of shape `key`, the model built afresh on the meta device (not timed)."""
-    import contextlib
-
     import torch
 
     from colab_kit.memory import steptrace
@@ -106,7 +104,7 @@ def plan_once(key: str, full_depth: bool, before: bool = False):
                              use_cpu=True, **{checkpointing_arg(): checkpointing}, **precision)
     kept = steptrace._peak_only
     if before:
-        steptrace._peak_only = contextlib.nullcontext  # the tracker's own bookkeeping, every module after every op
+        steptrace._peak_only = lambda tracker: None  # the tracker's own bookkeeping, every module after every op
     try:
         started = time.perf_counter()
         with redirect_stdout(io.StringIO()), warnings.catch_warnings():

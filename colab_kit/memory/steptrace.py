@@ -27,9 +27,9 @@ from dataclasses import dataclass
 
 from .depth import SHALLOW, extrapolate, find_blocks, linear, recording
 from .fakecopy import fake_copy, frozen_as_buffers, same_optimizer, tensor_bytes
-from .tracked import parts_of
 from .fourbit import replace_linear
 from .recipes import set_checkpointing
+from .tracked import parts_of
 
 __all__ = ["StepTrace", "FakeStep", "PRECISIONS"]
 
@@ -63,7 +63,7 @@ class FakeStep:
         four_bit: plan the model's linear layers as bitsandbytes would load them in 4 bits, computing in this
             dtype (`fourbit.replace_linear`); layers already in 4 bits are always planned as such.
         blocks: copy only the first `blocks` of the model's repeated blocks (`depth.find_blocks`); None: all.
-        shallow: derive a deep model's forward and backward from copies with one and two blocks (`depth.py`),
+        shallow: derive a deep model's forward and backward from copies with 2 and 3 blocks (`depth.py`),
             where its blocks are alike; False: trace every block.
     """
 
@@ -147,8 +147,7 @@ class FakeStep:
         except Exception:  # noqa: BLE001 - a model whose code needs all its blocks (a count read from its config)
             self._shallow_args = None  # traced at full depth, as it was before; the full trace raises its own
             return None
-        whole = {"weights": tensor_bytes(self.model.parameters(), self.round_to), "optimizer": self.optimizer_state}
-        parts = extrapolate(short.timeline, long.timeline, SHALLOW, self.depth, whole)
+        parts = extrapolate(short.timeline, long.timeline, SHALLOW, self.depth)
         if parts is None:
             self._shallow_args = None  # its blocks are not alike: every trace of this model goes full depth
             return None
@@ -166,9 +165,10 @@ class FakeStep:
 
         started = time.perf_counter()
         with self.mode, _quiet(), _checkpointing(self.model, checkpointing), _fused_attention(torch), \
-                _rounding(self.round_to), _peak_only():
+                _rounding(self.round_to):
             inputs = {k: torch.zeros(shape, dtype=dtype, device=self.device) for k, (shape, dtype) in batch.items()}
             tracker = MemTracker()
+            _peak_only(tracker)
             tracker.track_external(self.model, self.optimizer, *inputs.values())
             places = recording(tracker, self.model, self.blocks_path) if timeline else contextlib.nullcontext(
                 (None, None))
@@ -304,18 +304,17 @@ def _rounding(round_to: int):
         mem_tracker._WeakRefInfo._calculate_mem_consumed = original
 
 
-@contextlib.contextmanager
-def _peak_only():
-    """The tracker's peak kept for the whole step only: after every operation it also walks every module it has
-    seen for their own peaks, which the plan never reads (a third of a trace's time for a 1.5 B model)."""
+def _peak_only(tracker) -> None:
+    """This tracker keeps the peak of the whole step only: after every operation MemTracker also walks every module
+    it has seen for their own peaks, which the plan never reads (a third of a trace's time for a 1.5 B model, and
+    what made a full trace grow with the square of the depth). Set on the instance: other trackers keep theirs."""
+    import types
     from copy import deepcopy
 
     from torch.distributed._tools import mem_tracker
 
-    tracker, total = mem_tracker.MemTracker, getattr(mem_tracker, "_TOTAL_KEY", None)
-    original = getattr(tracker, "_update_peak_stats", None)
-    if original is None or total is None:  # another PyTorch: its own bookkeeping, as it is
-        yield
+    total = getattr(mem_tracker, "_TOTAL_KEY", None)
+    if total is None or not hasattr(tracker, "_update_peak_stats"):  # another PyTorch: its own bookkeeping
         return
 
     def whole_step(self, peak_state) -> None:
@@ -324,11 +323,7 @@ def _peak_only():
                 self._peak_mem[device] = snapshot[total]
                 self._peak_mem_snap[device] = deepcopy(snapshot)
 
-    tracker._update_peak_stats = whole_step
-    try:
-        yield
-    finally:
-        tracker._update_peak_stats = original
+    tracker._update_peak_stats = types.MethodType(whole_step, tracker)
 
 
 @contextlib.contextmanager
