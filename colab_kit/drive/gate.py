@@ -18,7 +18,8 @@ proof holds *now*, read afresh, never remembered:
       its deletion, and a new checkpoint of its step may be written over it without one;
   (b) the target is the object that was chosen: the same resolved path and the same manifest bytes
       (through the API: the folder's id found afresh from Drive's root, and its manifest's md5 there);
-  (c) this runtime holds the lease (`Lease.check()` is True, not unknown).
+  (c) this runtime holds the lease (`Lease.check()` is True, not unknown);
+  (d) on the Hub, a deletion also waits until the replica holds every checkpoint of the run (`hub/fill.py`).
 
 Anything short of that keeps the folder and journals `kept` with the reason; the next pass looks again.
 """
@@ -129,7 +130,8 @@ class CheckpointGate:
     def delete(self, target: Chosen, witness: Chosen | None, *, because: str) -> bool:
         """Delete checkpoint `target`, on the proof that `witness` gives (see the module docstring).
         Journals `prune` before the first file goes; False when kept."""
-        proofs = [self._lease_held, lambda: self._same(target), lambda: self._witnessed(target, witness)]
+        proofs = [self._lease_held, self._whole_run, lambda: self._same(target),
+                  lambda: self._witnessed(target, witness)]
 
         def delete_now():
             self.journal.write("prune", steps=[target.step], because=because, witness=witness.step,
@@ -201,6 +203,11 @@ class CheckpointGate:
         except Exception as exc:  # noqa: BLE001 - a failed read is unknown (OSError, ApiUnavailable, ...)
             return f"whether the lease is in the cloud could not be read now ({exc})"
         return None if up else "this runtime's lease is not in the cloud yet (others cannot see it)"
+
+    def _whole_run(self) -> str | None:
+        """(d) on the Hub: the replica holds every checkpoint of the run (a new VM fetches the older ones after
+        the resume began, `hub/fill.py`); the rules judge the whole run, never the part that has arrived."""
+        return self.api.still_arriving() if self.kind == HUB else None
 
     @staticmethod
     def _same(chosen: Chosen) -> str | None:

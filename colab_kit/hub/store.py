@@ -5,10 +5,11 @@ last, read back), follows it until it is in the cloud, and lets older ones go th
 the Hub the folder is a *replica* on local disk (`<scratch>/hub/<repo>/<name>/`), and this class is what
 stands between it and the repo, in the role DriveFS plays for a Drive mount:
 
-- `pull` (at the start, the lease held): every file of the run's folder at the head is made present in the
-  replica, downloaded where the replica lacks it or holds other bytes (a fresh VM starts from the Hub, the
-  same VM after a kernel restart keeps what it has); files only in the replica (written, not yet committed)
-  stay, for the uploader to commit; the journal is merged, never replaced (the replica's may be newer);
+- `pull` (at the start, the lease held): the files of the run's folder at the head that a resume needs are made
+  present in the replica, the rest behind it (`fill.py`), downloaded where the replica lacks them or holds
+  other bytes (a fresh VM starts from the Hub, the same VM after a kernel restart keeps what it has); files
+  only in the replica (written, not yet committed) stay, for the uploader to commit; the journal is merged,
+  never replaced (the replica's may be newer);
 - `confirm` (the tracker, for each written checkpoint and `final/`): the folder is committed in ONE commit,
   manifest included, if the head does not hold it yet, then it is in the cloud when the listing shows every
   file with the manifest's sha256 as its LFS id (`verify.py`);
@@ -31,6 +32,7 @@ from ..checkpoints.checkpoint import ARCHIVE
 from ..checkpoints.clock import clock
 from ..checkpoints.journal import EVENTS, merge_journals
 from ..checkpoints.manifest import MANIFEST, Manifest, parse_manifest
+from .fill import Fill
 from .lease import HubLease
 from .repo import HubFile, HubRepo
 from .verify import GITATTRIBUTES, git_blob_id, lfs_rule, not_shown
@@ -57,6 +59,7 @@ class HubStore:
         self.say = None  # the run's notices (shown on the main thread): the quota truth, said once
         self._quota_said = False
         self._small_at = -float("inf")
+        self.fill = Fill(self)
 
     def describe(self) -> str:
         return f"the Hugging Face Hub ({self.repo.address}, folder {self.folder})"
@@ -78,45 +81,15 @@ class HubStore:
                           add={GITATTRIBUTES: current.rstrip(b"\n") + (b"\n" if current else b"") + rule.encode() + b"\n"})
 
     def pull(self, progress: Callable[[int, int, int, int], None] | None = None) -> int:
-        """Make the replica hold every file of the run's folder at the lease's head; returns the files
-        downloaded. The newest checkpoint comes first (what a resume needs), then the older ones and `final/`;
-        `progress(bytes_done, bytes_all, files_done, files_all)` is told after each file. Raises HubUnavailable
-        when the Hub cannot be read (nothing is decided from a failed read)."""
-        head = self.lease.head
-        listing = self.repo.listing(self.folder, revision=head)
-        listing.update(self.repo.listing(self.folder, revision=head))  # absence is not evidence: a second look
-        wanted = [path for path, listed in listing.items()
-                  if path != self.lease.path and not self._same_locally(path, listed)]
-        wanted = sorted(wanted + self._unlisted(listing, head), key=self._fetch_order)
-        sizes = [listing[path].size if path in listing else 0 for path in wanted]
-        if wanted:
-            staging = self.replica.parent / f".pull-{self.replica.name}"
-            for done, path in enumerate(wanted, 1):
-                self.repo.download([path], staging, revision=head)
-                if progress is not None:
-                    progress(sum(sizes[:done]), sum(sizes), done, len(wanted))
-            for path in wanted:
-                target = self.replica / self._relative(path)
-                storage.make_dirs(target.parent)
-                if path == self._journal_path and storage.exists(target):
-                    self._merge_journal(staging / path, target)
-                else:
-                    storage.replace(staging / path, target)
-            storage.remove_tree(staging)
-        return len(wanted)
+        """Fill the replica with what a resume needs from the run's folder at the lease's head (`fill.py`: the
+        small files, the checkpoint a resume chooses, newer folders, the Trainer's best); returns the files
+        downloaded. The rest comes with `fill.start()` (or `fill.fill()`). Raises HubUnavailable when the Hub
+        cannot be read (nothing is decided from a failed read)."""
+        return self.fill.now(progress)
 
-    def _fetch_order(self, path: str) -> tuple:
-        """Small files first (the journal, the manifests), then each checkpoint's files, newest first, then
-        everything else (`final/`, the archive)."""
-        parts = self._relative(path).split("/")
-        if parts[-1] in (EVENTS, MANIFEST) or len(parts) == 1:
-            return (0, 0, path)
-        if parts[0] == "checkpoints" and len(parts) > 2 and parts[1].startswith("checkpoint-"):
-            try:
-                return (1, -int(parts[1].split("-")[1]), path)
-            except ValueError:
-                pass
-        return (2, 0, path)
+    def still_arriving(self) -> str | None:
+        """Why the replica is not the whole run yet (the gate deletes nothing then), or None."""
+        return self.fill.still_arriving()
 
     @property
     def _journal_path(self) -> str:
@@ -132,28 +105,6 @@ class HubStore:
         uploader commits the merge. Replacing it with the Hub's copy lost those lines for good."""
         merged = merge_journals(storage.read_bytes(hubs), storage.read_bytes(replicas))
         storage.atomic_write_bytes(replicas, merged)
-
-    def _unlisted(self, listing: dict[str, HubFile], head: str) -> list[str]:
-        """The files a checkpoint's manifest names that the listing does not show: a listing that misses a file
-        proves nothing, so each is asked for by name at the head (a commit's tree never changes: the Hub's answer
-        there stands), and those it has are downloaded too. Without this a checkpoint whole on the Hub would look
-        unfinished in the replica, and the run would resume from an older one."""
-        prefix = f"{self.folder}/" if self.folder else ""
-        folders = {path.rsplit("/", 1)[0] for path in listing if path.startswith(f"{prefix}checkpoints/")
-                   or path.startswith(f"{prefix}final/")}
-        named = [self._journal_path] if self._journal_path not in listing else []  # the journal
-        for folder in sorted(folders):
-            raw = self.repo.read(f"{folder}/{MANIFEST}", revision=head)  # asked by name, listed or not
-            manifest = parse_manifest(raw) if raw is not None else None
-            if manifest is not None:
-                named += [f"{folder}/{name}" for name in (*manifest.files, MANIFEST)
-                          if f"{folder}/{name}" not in listing]
-        there = []
-        for path in named:
-            data = self.repo.read(path, revision=head)
-            if data is not None:
-                there.append(path)
-        return there
 
     def _same_locally(self, path: str, listed: HubFile) -> bool:
         """Does the replica hold the listed bytes? An LFS file (a checkpoint's, GBs) is hashed in chunks,

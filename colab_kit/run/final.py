@@ -26,6 +26,7 @@ from ..checkpoints.clock import clock
 from ..checkpoints.checkpoint import ARCHIVE, FINAL, publish_folder
 from ..checkpoints.manifest import Manifest, hash_folder
 from ..drive.cloud import upload_for
+from ..drive.drivefs import HUB
 from ..drive.gate import act
 from ..errors import ColabKitError, DriveError
 
@@ -58,11 +59,13 @@ def save_final(run, model, tokenizer=None, metrics: dict | None = None, retries:
     manifest = Manifest(step=int(run.global_step or 0), files=hash_folder(local),
                         fingerprint=run.fingerprint or {})
     target = run.drive_dir / FINAL
-    if _holds(target, manifest):  # "Run all" again: the same model, tokenizer and metrics
+    _fill_final(run)  # what final/ holds now, judged whole
+    there = _holding(target, manifest)
+    if there is not None:  # "Run all" again, or a resume whose best model is the export's: the same files
         run.journal.write("final", path=str(target), bytes=manifest.total_bytes, files=len(manifest.files),
                           unchanged=True)
-        if run.mirror.tracker.get("final") is None:
-            run.mirror.tracker.add(upload_for(target, manifest, "final"))  # run.finish() waits for it
+        if run.mirror.tracker.get("final") is None:  # run.finish() waits for it, as written (its step may be older)
+            run.mirror.tracker.add(upload_for(target, there, "final"))
         print(f"colab_kit: {target} already holds this model (verified); it is left as it is")
         return target
     archived = None
@@ -115,14 +118,32 @@ def _merge_into(run, model, tokenizer, local: Path, metrics: dict | None) -> dic
     return metrics if metrics is None else {**metrics, "merged": True}
 
 
-def _holds(target: Path, manifest: Manifest) -> bool:
-    """Does `target` verify now, with exactly the files of `manifest` (sizes and sha256)?"""
+def _fill_final(run) -> None:
+    """On the Hub, a new VM fetches final/ after the resume began (`hub/fill.py`): the export this one replaces
+    must be in the replica first, to be kept in archive/ (on the Hub too) rather than dropped from main.
+
+    Raises:
+        DriveError: the Hub did not give final/ now; nothing was replaced."""
+    if run.durability != HUB:
+        return
+    fill = run.mirror.tracker.api.fill
+    if not fill.fill(FINAL):
+        raise DriveError(f"cannot export the final model yet: the export in {run.drive_dir / FINAL} on the Hub has "
+                         f"not reached this VM ({fill.failed}), and it is kept in archive/ when a new one replaces "
+                         f"it. The model is saved on local disk at {run.local_dir / FINAL}; call "
+                         f"run.save_final(...) again in a minute")
+
+
+def _holding(target: Path, manifest: Manifest) -> Manifest | None:
+    """The manifest of `target` when it verifies now with exactly the files of `manifest` (sizes and sha256),
+    else None. Its step may differ: the same weights exported at a later step (a best model loaded at the end)."""
     try:
         verdict = validity.check(target) if storage.is_dir(target) else None
     except OSError:
-        return False
-    return bool(verdict is not None and verdict.valid and {n: (e.size, e.sha256) for n, e in verdict.manifest.files.items()}
+        return None
+    same = bool(verdict is not None and verdict.valid and {n: (e.size, e.sha256) for n, e in verdict.manifest.files.items()}
                 == {n: (e.size, e.sha256) for n, e in manifest.files.items()})
+    return verdict.manifest if same else None
 
 
 def _swap_in(run, staging: Path, target: Path, manifest: Manifest) -> Path | None:

@@ -80,6 +80,7 @@ def finish_run(run, timeout: float | None, status: str, *, flush: bool = False, 
         summary["in_cloud"] = summary["journal_in_cloud"] = False  # lines on this VM only: nothing released on them
     run.mirror.finish_deletions(max(1.0, deadline - clock.monotonic()) if deadline is not None else 60.0)
     run.mirror.close(timeout=_left(deadline, 10.0))
+    _stop_filling(run)
     _within(deadline, run.lease.release, at_least=1.0)
     run._finished = True
     run._summary = summary
@@ -128,6 +129,13 @@ def drain_with_countdown(mirror, deadline: float | None) -> bool:
                            + ". Press stop to leave it on this VM's disk and release the run")
 
 
+def _stop_filling(run) -> None:
+    """On the Hub: no more fetching of the older checkpoints into the replica; what had not arrived stays on the
+    Hub, whole (`hub/fill.py`)."""
+    if run.durability == HUB:
+        run.mirror.tracker.api.fill.stop()
+
+
 def let_go(run, status: str) -> None:
     """Finish a run that cannot wait any longer (stop pressed during finish's waits, or a new start_run): it is
     left consistent (what is written stays, what is not stays on local disk), the uploader's thread stopped
@@ -135,6 +143,7 @@ def let_go(run, status: str) -> None:
     pending = run.mirror.pending_steps
     run.journal.write("finish", status=status, synced=False, in_cloud=False)
     run.mirror.close(timeout=5.0)
+    _stop_filling(run)
     try:
         clock.within(5.0, run.lease.release)
     except Late:

@@ -171,6 +171,7 @@ def start_run(name: str, *, drive: str | os.PathLike | None = None, local_dir: s
                                             hub=hub, said=early)
         if hub is not None:
             hub.say = run.notices.add  # the Hub's quota truth, said once at the first deletion
+            hub.fill.start(on_filled=run.mirror.adopt_existing)  # the older checkpoints and final/, behind training
     except KeyboardInterrupt:  # the stop button: open_claimed stopped its uploader and let the lease go
         print(stopped_opening(name, drive_dir, replaced), flush=True)
         raise

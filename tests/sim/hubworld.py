@@ -8,7 +8,8 @@ listings that miss a file, outages), and the same invariants judged on the Hub's
 
 Issue 46 added the Hub's own fault kinds: LFS uploads longer than a lease's watch window (the runtime busy with
 them, its heartbeat going on beside: `World.sleep`), spells of 429s for every commit longer than that window, and
-second runtimes that ask for the run while the first one works, and exports of final/ made again.
+second runtimes that ask for the run while the first one works, and exports of final/ made again. A VM's replica
+fills as a real one does: what the resume needs at the start, the older checkpoints and final/ at a later event.
 """
 
 from __future__ import annotations
@@ -162,6 +163,18 @@ class HubWorld(World):
             self.at(self.clock.t + s.retry_s, "open", rt, False)
             return
         self._opened(rt, run, found, truth)
+        if store.fill.later:  # the older checkpoints and final/ arrive behind the resume (the thread's work)
+            self.at(self.clock.t + self.s.interval_s / 2, "fill", rt, store)
+
+    def _on_fill(self, rt, store) -> None:
+        """The replica's filling (`hub/fill.py`), in a real run a thread: the older checkpoints and final/, each
+        folder whole; the Hub not answering, it tries again later."""
+        if self.ending or rt.run is None:
+            return
+        if store.fill.fill():
+            rt.run.mirror.adopt_existing()
+        else:
+            self.at(self.clock.t + self.s.retry_s, "fill", rt, store)
 
     # The Drive world's faults, as the Hub has them.
     def _on_hide(self, seconds, under: str = "/") -> None:
