@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import json
 import logging
 import os
 import re
@@ -20,12 +21,13 @@ from . import storage, validity
 from .manifest import MANIFEST, Manifest, read_manifest, write_manifest
 
 __all__ = ["CHECKPOINTS", "ARCHIVE", "FINAL", "KIT_STATE", "checkpoint_dir", "list_checkpoints", "publish_folder",
-           "repair_folder", "model_signature", "step_of"]
+           "repair_folder", "model_signature", "step_of", "TRAINER_STATE", "trainer_state", "recorded_best"]
 
 CHECKPOINTS = "checkpoints"
 ARCHIVE = "archive"  # checkpoints moved aside by start_run(resume=False)
 FINAL = "final"  # the exported model
 KIT_STATE = "colab_kit_state.json"  # before 0.2 the training clock had its own file
+TRAINER_STATE = "trainer_state.json"  # the HF Trainer's state in each of its checkpoints
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 log = logging.getLogger(__name__)
 
@@ -38,6 +40,20 @@ def step_of(path: str | os.PathLike | None) -> int | None:
     """The step of a `checkpoint-<step>` folder path, or None for any other path."""
     match = _NAME.match(Path(path).name) if path else None
     return int(match.group(1)) if match else None
+
+
+def trainer_state(checkpoint: str | os.PathLike) -> dict:
+    """The Trainer's state saved in `checkpoint` ({} for a checkpoint that is not a Trainer's, or unreadable)."""
+    try:
+        return json.loads(storage.read_bytes(Path(checkpoint) / TRAINER_STATE))
+    except (OSError, ValueError):  # not a Trainer checkpoint (CheckpointStore), or unreadable
+        return {}
+
+
+def recorded_best(checkpoint: str | os.PathLike) -> int | None:
+    """The step of the checkpoint that `checkpoint`'s trainer_state.json names as best, or None. Read where a
+    checkpoint is read: the resume (`run/find.py`) and the Hub's filling of a new VM (`hub/fill.py`)."""
+    return step_of(trainer_state(checkpoint).get("best_model_checkpoint"))
 
 
 def list_checkpoints(root: str | Path, missing_ok: bool = True) -> list[tuple[int, Path]]:

@@ -18,8 +18,10 @@ proof holds *now*, read afresh, never remembered:
       its deletion, and a new checkpoint of its step may be written over it without one;
   (b) the target is the object that was chosen: the same resolved path and the same manifest bytes
       (through the API: the folder's id found afresh from Drive's root, and its manifest's md5 there);
-  (c) this runtime holds the lease (`Lease.check()` is True, not unknown);
-  (d) on the Hub, a deletion also waits until the replica holds every checkpoint of the run (`hub/fill.py`).
+  (c) this runtime holds the lease (`Lease.check()` is True, not unknown).
+
+On the Hub a new VM's older checkpoints arrive after the resume began (`hub/fill.py`); until one has, the rules
+see it as the Hub holds it (`elsewhere`), and (b) reads its manifest there.
 
 Anything short of that keeps the folder and journals `kept` with the reason; the next pass looks again.
 """
@@ -55,6 +57,7 @@ class Chosen:
     resolved: Path
     manifest_raw: bytes | None  # its MANIFEST.json as read then (None: it had none)
     written_at: float  # when its manifest (or, without one, the folder) was last written, by the mount
+    remote: bool = False  # on the Hub, not yet in the replica (`CheckpointGate.elsewhere`)
 
     @property
     def manifest_md5(self) -> str | None:
@@ -119,6 +122,20 @@ class CheckpointGate:
     def pending(self) -> list[Path]:
         return self.deleter.pending
 
+    def elsewhere(self) -> dict[int, tuple[Chosen, bool]]:
+        """The run's checkpoints that the store holds and the folder does not yet: on the Hub, a new VM's older
+        ones on their way (`hub/fill.py`): step -> (as chosen now, whole there). Empty on every other kind."""
+        if self.kind != HUB:
+            return {}
+        return {step: (Chosen(step, self.root / f"checkpoint-{step}", self.root / f"checkpoint-{step}", raw, 0.0,
+                              remote=True), whole)
+                for step, (raw, whole) in self.api.fill.elsewhere().items()}
+
+    def in_cloud_elsewhere(self) -> set[int]:
+        """The checkpoints the store itself proves in the cloud without the tracker (on the Hub: whole at the head
+        a new VM started from, arrived or not); empty on every other kind."""
+        return self.api.fill.whole_steps() if self.kind == HUB else set()
+
     def poll(self) -> list[Path]:
         """Finish what was allowed and started (the Trash-free unlink after the truncation reached the cloud),
         while the lease is still this runtime's: once it is not, the new owner's rules finish it."""
@@ -130,8 +147,7 @@ class CheckpointGate:
     def delete(self, target: Chosen, witness: Chosen | None, *, because: str) -> bool:
         """Delete checkpoint `target`, on the proof that `witness` gives (see the module docstring).
         Journals `prune` before the first file goes; False when kept."""
-        proofs = [self._lease_held, self._whole_run, lambda: self._same(target),
-                  lambda: self._witnessed(target, witness)]
+        proofs = [self._lease_held, lambda: self._same(target), lambda: self._witnessed(target, witness)]
 
         def delete_now():
             self.journal.write("prune", steps=[target.step], because=because, witness=witness.step,
@@ -204,14 +220,10 @@ class CheckpointGate:
             return f"whether the lease is in the cloud could not be read now ({exc})"
         return None if up else "this runtime's lease is not in the cloud yet (others cannot see it)"
 
-    def _whole_run(self) -> str | None:
-        """(d) on the Hub: the replica holds every checkpoint of the run (a new VM fetches the older ones after
-        the resume began, `hub/fill.py`); the rules judge the whole run, never the part that has arrived."""
-        return self.api.still_arriving() if self.kind == HUB else None
-
-    @staticmethod
-    def _same(chosen: Chosen) -> str | None:
+    def _same(self, chosen: Chosen) -> str | None:
         """(b) `chosen.path` is still the folder that was chosen."""
+        if chosen.remote:
+            return self.api.fill.same_there(chosen.step, chosen.manifest_raw)
         try:
             now = choose(chosen.path, chosen.step)
         except OSError as exc:
@@ -235,7 +247,7 @@ class CheckpointGate:
         if not verdict.valid:
             return f"{witness.path.name} does not verify now ({verdict})"
         why = self._vouches(target, witness, verdict.manifest)
-        if why is None or not self.evidence.holds_no_checkpoint(target):
+        if why is None or target.remote or not self.evidence.holds_no_checkpoint(target):
             return why
         # It holds no checkpoint: a witness safe now is enough, newer or older (read last: it reads the target).
         return None if self.kind in (UNCONFIRMED, PLAIN) else self._in_cloud_now(witness, verdict.manifest)

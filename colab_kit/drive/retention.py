@@ -129,10 +129,11 @@ class Pruner:
         followed = tracker.checkpoint_steps()
         if followed - set(listed):  # a listing that hides a checkpoint: look again later
             return self._doubt(f"checkpoint-{min(followed - set(listed))} is missing from the listing")
+        away = {s: c for s, c in self.gate.elsewhere().items() if s not in listed}  # the Hub's, on their way
         if self.kind == UNCONFIRMED:
             plan = self._plan_ladder(listed, protect, best, tight)
         else:
-            plan = self._plan_confirmed(tracker, listed, protect, best, 1 if tight else self.keep)
+            plan = self._plan_confirmed(tracker, listed, away, protect, best, 1 if tight else self.keep)
         if plan is None:
             return None
         doomed, witness, because = plan
@@ -141,7 +142,7 @@ class Pruner:
         deleted = []
         for step in doomed:
             try:
-                target = choose(listed[step], step)
+                target = away[step][0] if step in away else choose(listed[step], step)
                 done = self.gate.delete(target, witness, because=because)
             except OSError as exc:  # Drive trouble: what is left is chosen again at the next pass
                 return self._doubt(f"checkpoint-{step} could not be deleted now ({exc.strerror or exc})")
@@ -152,28 +153,35 @@ class Pruner:
                 self.again = True
         return deleted
 
-    def _plan_confirmed(self, tracker, listed: dict[int, Path], protect, best, keep: int):
-        safe = set(listed) if self.kind == PLAIN else tracker.confirmed_steps(verified_only=False)
-        verdicts: dict[int, validity.Verdict] = {}
+    def _plan_confirmed(self, tracker, listed: dict[int, Path], away: dict, protect, best, keep: int):
+        """`away`: the checkpoints on their way to the folder (`CheckpointGate.elsewhere`), judged as the store
+        holds them: the rules judge the whole run, never the part that has arrived."""
+        safe = set(listed) if self.kind == PLAIN else (tracker.confirmed_steps(verified_only=False)
+                                                       | self.gate.in_cloud_elsewhere())
+        steps = set(listed) | set(away)
+        known_bad = {s for s, (_, whole) in away.items() if not whole}
         counted: list[int] = []
-        for step in sorted(safe & set(listed), reverse=True):
+        for step in sorted(safe & steps - known_bad, reverse=True):
             if len(counted) >= keep and step != best:
                 continue  # enough counted: only the best still needs a look
-            verdict = verdicts[step] = validity.check(listed[step], step=step)
+            if step in away:
+                counted.append(step)
+                continue
+            verdict = validity.check(listed[step], step=step)
             if verdict.unknown:
                 return self._doubt(f"checkpoint-{step}: {verdict.reason}")
             if verdict.valid:
                 tracker.mark_verified(step)
                 counted.append(step)
             else:
+                known_bad.add(step)
                 tracker.forget(f"checkpoint-{step}")  # never claimed in the cloud
-        known_bad = {s for s, v in verdicts.items() if not v.valid}
-        doomed = prunable(listed, set(listed) - known_bad, set(counted), keep, set(protect), best)
+        doomed = prunable(steps, steps - known_bad, set(counted), keep, set(protect), best)
         if not doomed:
             return [], None, ""
         newest = max(counted)
         try:
-            witness = choose(listed[newest], newest)
+            witness = away[newest][0] if newest in away else choose(listed[newest], newest)
         except OSError as exc:
             return self._doubt(f"checkpoint-{newest} could not be read ({exc.strerror or exc})")
         return doomed, witness, f"checkpoint-{newest} is {'in the cloud' if self.kind != PLAIN else 'saved'}"

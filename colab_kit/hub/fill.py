@@ -10,8 +10,12 @@ an event in the simulator, or on demand: `save_final` asks for `final/` before i
 Each folder is downloaded into a staging folder beside the replica, every file checked against the sha256
 the Hub's listing shows (the client checks sizes only), and moved into the replica whole: a folder that
 showed up half-filled would look like a checkpoint whose upload never ended, which the gate may delete
-(issue 38). Until the older checkpoints are all there the replica is not the whole run, so the gate deletes
-nothing (`still_arriving`): the retention rules judge the run, never a part of it.
+(issue 38).
+
+The retention rules judge the whole run, never the part that has arrived: the checkpoints still on their way
+are shown to them (`elsewhere`, `whole_steps`) as the Hub holds them at the head, and one the rules let go is
+deleted by a commit without being fetched (`leaving`). A Hub that refuses downloads for the rest of the run
+then costs the replica its older checkpoints, never the repo its retention.
 
 `archive/` is never fetched: nothing on the VM reads the Hub's archive (the store only sends the replica's
 own archive/ to it).
@@ -20,17 +24,18 @@ own archive/ to it).
 from __future__ import annotations
 
 import logging
+import os
 import threading
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
 from ..checkpoints import storage
 from ..checkpoints.checkpoint import ARCHIVE, CHECKPOINTS, FINAL, recorded_best, step_of
-from ..checkpoints.clock import clock
 from ..checkpoints.journal import EVENTS
 from ..checkpoints.manifest import MANIFEST, Manifest, parse_manifest
+from . import staging
 from .repo import HubFile, HubUnavailable
-from .verify import git_blob_id
 
 __all__ = ["Fill", "RETRY_S"]
 
@@ -53,11 +58,14 @@ class Fill:
         self.head: str | None = None
         self.listing: dict[str, HubFile] = {}
         self.manifests: dict[str, Manifest] = {}  # folder key -> its manifest as the Hub holds it at `head`
+        self.raw: dict[str, bytes] = {}  # folder key -> that manifest's bytes (what the gate compares)
+        self.whole: set[str] = set()  # the checkpoints whole on the Hub at `head` that the run has not deleted
         self.later: dict[str, list[str]] = {}  # folder key -> its paths in the repo, still to fetch
         self.failed: str | None = None  # why the last try of `later` failed (None: it did not)
         self._lock = threading.Lock()  # one filling at a time: the thread's, or one asked for on demand
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.staging = staging.staging_folder(store.replica, os.getpid())
 
     # -- at the start ------------------------------------------------------------------------------------
     def now(self, progress: Progress | None = None) -> int:
@@ -65,6 +73,7 @@ class Fill:
         files_all)` is told after each file. Raises HubUnavailable when the Hub cannot be read (nothing is decided
         from a failed read)."""
         store = self.store
+        staging.sweep(store.replica)
         self.head = store.lease.head
         listing = store.repo.listing(store.folder, revision=self.head)
         listing.update(store.repo.listing(store.folder, revision=self.head))  # absence is not evidence: look twice
@@ -99,7 +108,7 @@ class Fill:
             manifest = parse_manifest(raw) if raw is not None else None
             if manifest is None:
                 continue
-            self.manifests[key] = manifest
+            self.manifests[key], self.raw[key] = manifest, raw
             for name in (*manifest.files, MANIFEST):
                 path = f"{self._where(key)}/{name}"
                 if path not in listing and store.repo.read(path, revision=self.head) is not None:
@@ -119,6 +128,7 @@ class Fill:
             there = set(groups[key])
             if all(self._matches(f"{self._where(key)}/{name}", entry, there) for name, entry in manifest.files.items()):
                 whole.append(key)
+        self.whole = {key for key in whole if _step(key) is not None}
         return max(whole, key=_step, default=None)
 
     def _matches(self, path: str, entry, there: set[str]) -> bool:
@@ -143,16 +153,60 @@ class Fill:
             return False
 
     # -- behind the start ----------------------------------------------------------------------------------
-    def still_arriving(self) -> str | None:
-        """Why the replica is not the whole run yet (older checkpoints still to come from the Hub), or None."""
-        waiting = [key for key in self.later if key.startswith(f"{CHECKPOINTS}/")]
-        if not waiting:
-            return None
-        failed = f"; the last try failed: {self.failed}" if self.failed else ""
-        return (f"{len(waiting)} older checkpoint(s) are still arriving from the Hub, and nothing is deleted until "
-                f"the replica holds the whole run{failed}")
+    def elsewhere(self) -> dict[int, tuple[bytes | None, bool]]:
+        """The checkpoints still on their way from the Hub: step -> (their manifest's bytes at the head, None
+        without one; whole there: every file the manifest names listed with its sha256)."""
+        keys = [key for key in list(self.later) if key.startswith(f"{CHECKPOINTS}/") and _step(key) is not None]
+        return {_step(key): (self.raw.get(key), key in self.whole) for key in keys}
 
-    def fill(self, key: str | None = None, *, stoppable: bool = False) -> bool:
+    def whole_steps(self) -> set[int]:
+        """The steps of the checkpoints whole on the Hub at the head (arrived or not) that the run has not
+        deleted: in the cloud by the store's own proof, before the tracker has adopted those that arrived."""
+        return {_step(key) for key in list(self.whole)}
+
+    def same_there(self, step: int, raw: bytes | None) -> str | None:
+        """For the gate: checkpoint `step`, chosen while still on its way, is what it was chosen as (its manifest's
+        bytes `raw`), read afresh (in the replica once it arrived, else on the Hub at the lease's head); None when
+        it is, else why not."""
+        key = f"{CHECKPOINTS}/checkpoint-{step}"
+        if key not in self.later:
+            local = self.store.replica / key / MANIFEST
+            try:
+                now = storage.read_bytes(local) if storage.exists(local) else None
+            except OSError as exc:
+                return f"checkpoint-{step} could not be read again ({exc})"
+        else:
+            try:
+                now = self.store.repo.read(f"{self._where(key)}/{MANIFEST}", revision=self.store.lease.head)
+            except OSError as exc:  # HubUnavailable: unknown
+                return f"checkpoint-{step} could not be read again on the Hub ({exc})"
+        return None if now == raw else f"checkpoint-{step}'s manifest changed since it was chosen"
+
+    @contextmanager
+    def leaving(self, key: str):
+        """Around the commit that deletes folder `key` from the Hub: one still on its way leaves the filling first
+        (never fetched, never placed after its deletion) and comes back to it when the commit failed. Raises
+        HubUnavailable while the filling works on a folder (the next pass of the rules tries again)."""
+        if key not in self.later:
+            yield
+            self.whole.discard(key)
+            return
+        if not self._lock.acquire(blocking=False):
+            raise HubUnavailable(f"{key} is not deleted while the replica's filling downloads a folder: the next "
+                                 f"pass tries again")
+        try:
+            paths = self.later.pop(key, None)
+            try:
+                yield
+            except BaseException:
+                if paths is not None:
+                    self.later[key] = paths
+                raise
+            self.whole.discard(key)
+        finally:
+            self._lock.release()
+
+    def fill(self, key: str | None = None, *, stoppable: bool = False, progress: Progress | None = None) -> bool:
         """Fetch the folder `key` (default: every one still to come, newest first) now, if it is still to come;
         True when nothing of it is left to fetch. A Hub that does not answer is said in `failed` (and False).
         One folder at a time holds the lock: `save_final`'s wait for final/ is one folder long."""
@@ -162,7 +216,7 @@ class Fill:
                 if k not in self.later:
                     continue  # fetched meanwhile (on demand, or by the thread)
                 try:
-                    self._fetch({k: self.later[k]}, None, stoppable=stoppable)
+                    self._fetch({k: self.later[k]}, progress, stoppable=stoppable)
                 except OSError as exc:  # HubUnavailable, a hash that does not match, a local disk that refused
                     self.failed = str(exc)
                     log.info("the replica's filling waits: %s", exc)
@@ -211,53 +265,30 @@ class Fill:
         sizes = {path: self.listing[path].size if path in self.listing else 0 for paths in wanted.values()
                  for path in paths}
         total, count, got = sum(sizes.values()), len(sizes), [0, 0]
-        staging = store.replica.parent / f".fill-{store.replica.name}"
         for key in order:
             for path in wanted[key]:
                 if stoppable and self._stop.is_set():
                     raise HubUnavailable("the run ended before its replica was filled")
-                store.repo.download([path], staging, revision=self.head)
-                self._check(staging / path, path)
+                store.repo.download([path], self.staging, revision=self.head)
+                self._check(self.staging / path, path)
                 got[0], got[1] = got[0] + sizes[path], got[1] + 1
                 if progress is not None:
                     progress(got[0], total, got[1], count)
             if wanted[key]:
-                self._place(key, staging, wanted[key])
-        if storage.exists(staging):
-            storage.remove_tree(staging)
+                if stoppable and self._stop.is_set():  # the run ended while it downloaded: nothing is placed
+                    raise HubUnavailable("the run ended before its replica was filled")
+                staging.place(store, key, self.staging, wanted[key], folder=self._where(key) if key != TOP else None)
+        if storage.exists(self.staging):
+            storage.remove_tree(self.staging)
         return count
 
     def _check(self, local: Path, path: str) -> None:
-        """The downloaded file holds what the Hub's listing (or, for a file it missed, the manifest) says: the
-        client checks a download's size only. Hashed in chunks right after it landed (the page cache holds it)."""
+        """The downloaded file holds what the Hub's listing (or, for a file it missed, the manifest) says."""
         listed = self.listing.get(path)
         key = self._key(path)
         entry = self.manifests[key].files.get(path.rsplit("/", 1)[1]) if key in self.manifests else None
-        expected = listed.sha256 if listed is not None else entry.sha256 if entry is not None else None
-        if expected is not None:
-            if storage.sha256_file(local) != expected:
-                storage.unlink(local)
-                raise OSError(f"{path} as downloaded does not hold the bytes the Hub lists (sha256): fetched again later")
-        elif listed is not None and git_blob_id(storage.read_bytes(local)) != listed.blob_id:  # a small git file
-            storage.unlink(local)
-            raise OSError(f"{path} as downloaded is not the file the Hub lists: fetched again later")
-
-    def _place(self, key: str, staging: Path, paths: list[str]) -> None:
-        """Move what was downloaded for `key` into the replica: a folder the replica lacks moves in whole (one
-        rename), else file by file; the journal is merged, never replaced (the replica's may be newer)."""
-        store = self.store
-        target = store.replica / key
-        if key != TOP and not storage.exists(target):
-            storage.make_dirs(target.parent)
-            storage.replace(staging / self._where(key), target)
-            return
-        for path in paths:
-            local = store.replica / store._relative(path)
-            storage.make_dirs(local.parent)
-            if path == store._journal_path and storage.exists(local):
-                store._merge_journal(staging / path, local)
-            else:
-                storage.replace(staging / path, local)
+        sha256 = listed.sha256 if listed is not None else entry.sha256 if entry is not None else None
+        staging.verify(local, path, sha256=sha256, blob_id=listed.blob_id if listed is not None else None)
 
     # -- names ---------------------------------------------------------------------------------------------
     def _key(self, path: str) -> str:

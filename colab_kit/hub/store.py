@@ -87,10 +87,6 @@ class HubStore:
         cannot be read (nothing is decided from a failed read)."""
         return self.fill.now(progress)
 
-    def still_arriving(self) -> str | None:
-        """Why the replica is not the whole run yet (the gate deletes nothing then), or None."""
-        return self.fill.still_arriving()
-
     @property
     def _journal_path(self) -> str:
         return f"{self.folder}/{EVENTS}" if self.folder else EVENTS
@@ -162,16 +158,18 @@ class HubStore:
         return {self.repo_path(f): f for f in files if self.repo_path(f) not in there and not storage.is_temp_name(f.name)}
 
     def delete(self, folder: Path) -> None:
-        """Remove `folder` (a checkpoint of the replica) from the repo in one commit, then from the replica."""
+        """Remove `folder` (a checkpoint of the replica, or one still on its way to it) from the repo in one
+        commit, then from the replica."""
         where = self.repo_path(folder)
-        if self.repo.listing(where):
-            self.lease.commit(f"colab_kit: prune {folder.name} of {self.replica.name}", delete=[where + "/"])
-            if self.say is not None and not self._quota_said:
-                self._quota_said = True
-                self.say(f"{folder.name} was deleted from {self.repo.address}'s main branch, as keep asks; its files "
-                         f"stay in the repo's history and count against your Hub storage quota until the history is "
-                         f"squashed (the kit never does that by itself): HfApi().super_squash_history("
-                         f"{self.repo.address.repo_id!r}, repo_type={self.repo.address.repo_type!r})")
+        with self.fill.leaving(self._relative(where)):  # one on its way is never fetched after this
+            if self.repo.listing(where):
+                self.lease.commit(f"colab_kit: prune {folder.name} of {self.replica.name}", delete=[where + "/"])
+                if self.say is not None and not self._quota_said:
+                    self._quota_said = True
+                    self.say(f"{folder.name} was deleted from {self.repo.address}'s main branch, as keep asks; its "
+                             f"files stay in the repo's history and count against your Hub storage quota until the "
+                             f"history is squashed (the kit never does that by itself): HfApi().super_squash_history("
+                             f"{self.repo.address.repo_id!r}, repo_type={self.repo.address.repo_type!r})")
         storage.remove_tree(folder)
 
     # -- the journal and the small files -----------------------------------------------------------------

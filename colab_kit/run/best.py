@@ -14,31 +14,18 @@ always is; its own rotation never deletes it. The kit does the same on the persi
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from pathlib import Path
 from typing import Callable, Iterable
 
-from ..checkpoints.checkpoint import step_of
+from ..checkpoints.checkpoint import TRAINER_STATE, recorded_best, step_of
+from ..checkpoints.checkpoint import trainer_state as _trainer_state
 from ..checkpoints.search import find_latest
 
 __all__ = ["TRAINER_STATE", "step_of", "recorded_best", "fetch_best", "restore_best", "early_stopped"]
 
-TRAINER_STATE = "trainer_state.json"
 log = logging.getLogger(__name__)
-
-
-def _trainer_state(checkpoint: Path) -> dict:
-    try:
-        return json.loads((Path(checkpoint) / TRAINER_STATE).read_text())
-    except (OSError, ValueError):  # not a Trainer checkpoint (CheckpointStore), or unreadable
-        return {}
-
-
-def recorded_best(checkpoint: Path) -> int | None:
-    """The step of the checkpoint that `checkpoint`'s trainer_state.json names as best, or None."""
-    return step_of(_trainer_state(checkpoint).get("best_model_checkpoint"))
 
 
 def fetch_best(best: int, resumed: Path, step: int, places: Iterable[tuple[str, Path]], local_root: Path,

@@ -29,6 +29,7 @@ from ..drive.cloud import upload_for
 from ..drive.drivefs import HUB
 from ..drive.gate import act
 from ..errors import ColabKitError, DriveError
+from .hubstart import PullProgress
 
 _STAGING = f".{FINAL}.new-"  # a new export, written beside final/ until it verifies
 
@@ -127,7 +128,7 @@ def _fill_final(run) -> None:
     if run.durability != HUB:
         return
     fill = run.mirror.tracker.api.fill
-    if not fill.fill(FINAL):
+    if not fill.fill(FINAL, progress=PullProgress(run.name)):  # bytes and time left once it takes a few seconds
         raise DriveError(f"cannot export the final model yet: the export in {run.drive_dir / FINAL} on the Hub has "
                          f"not reached this VM ({fill.failed}), and it is kept in archive/ when a new one replaces "
                          f"it. The model is saved on local disk at {run.local_dir / FINAL}; call "

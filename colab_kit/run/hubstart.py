@@ -138,7 +138,8 @@ def _say_wait(text: str) -> None:
 
 class PullProgress:
     """What the replica's filling says once it has taken a few seconds: bytes and files done, the rate and the time
-    left (a new VM fetches every kept checkpoint: GBs in real runs)."""
+    left (a new VM fetches the checkpoint it resumes from, and `save_final` the export it replaces: GBs in real
+    runs)."""
 
     def __init__(self, name: str):
         self.name = name

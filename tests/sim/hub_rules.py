@@ -17,10 +17,13 @@ and the paths of issue 46 (review 6), each undone:
   46.5-final-union        a folder's commit only adds files: final/ after a second export holds the new files
                           beside the old export's
   46.5-archive-on-vm      the export a new one replaces is kept in archive/ on the VM only
+  46.7-replica-only       the retention rules judge the checkpoints that have reached a new VM's replica, not
+                          those still on their way from the Hub (never deleted while the Hub refuses downloads)
 """
 
 from __future__ import annotations
 
+from colab_kit.drive.gate import CheckpointGate
 from colab_kit.hub.repo import HubRepo, HubUnavailable
 from colab_kit.hub.store import HubStore
 
@@ -118,7 +121,12 @@ def archive_on_vm(patch) -> None:
     patch(HubStore, "_archive_unsent", lambda self: {})
 
 
+def replica_only(patch) -> None:
+    patch(CheckpointGate, "elsewhere", lambda self: {})
+    patch(CheckpointGate, "in_cloud_elsewhere", lambda self: set())
+
+
 HUB_RULES = {"40.1-unfenced": unfenced_commits, "40.2-one-listing": one_listing, "40.3-unread-absent": unread_is_absent,
              "46.1-beat-behind-data": beat_behind_data, "46.1-silent-watch": silent_watch,
              "46.3-journal-replaced": journal_replaced, "46.5-final-union": final_union,
-             "46.5-archive-on-vm": archive_on_vm}
+             "46.5-archive-on-vm": archive_on_vm, "46.7-replica-only": replica_only}
