@@ -19,6 +19,7 @@ import time
 import torch
 
 import colab_kit as ck
+import figures
 from colab_kit.gauges import gauges as gauges_mod
 
 
@@ -27,8 +28,8 @@ class RenderOnlyView:
 
     threaded = True
 
-    def show(self, state):
-        state.render()
+    def show(self, render, render_text):
+        render()  # the widget view's work: the HTML drawn on every push
 
     def close(self, summary_html, summary_text):
         pass
@@ -59,6 +60,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=8)
     parser.add_argument("--steps", type=int, default=40)
+    figures.add_arguments(parser, "gauges_overhead")
     args = parser.parse_args()
     original = gauges_mod._choose_view
     gauges_mod._choose_view = lambda view: RenderOnlyView() if view == "render-only" else original(view)
@@ -75,7 +77,23 @@ def main() -> int:
     print(f"overhead: {overhead * 100:+.2f} % (target <= 1 %)")
     if median_off < 0.050:
         print("note: steps are shorter than 50 ms on this machine; the overhead is overstated")
+    draw(args, off, on, overhead)
     return 0 if overhead <= 0.01 else 1
+
+
+def draw(args, off, on, overhead) -> None:
+    """Each run's median step, gauges off beside gauges on, run by run."""
+    fig, ax = figures.figure(6.5, 3.2)
+    runs = range(1, len(off) + 1)
+    ax.plot(runs, [t * 1000 for t in off], "o-", label="gauges off")
+    ax.plot(runs, [t * 1000 for t in on], "s-", label="gauges on (sampled at 1 Hz, drawn at most twice a second)")
+    ax.set_xlabel("interleaved run")
+    ax.set_ylabel("median step (ms)")
+    ax.set_ylim(0, max(off + on) * 1000 * 1.25)
+    ax.legend(loc="lower right", fontsize=8)
+    ax.set_title(f"The gauges' cost on a {statistics.median(off) * 1000:.0f} ms training step: {overhead * 100:+.2f} %",
+                 fontsize=10)
+    figures.save(fig, args)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ effective batch at the end, the final held-out loss, and the distance to the OOM
 
 from __future__ import annotations
 
+import argparse
 import math
 import sys
 import tempfile
@@ -24,6 +25,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
 import colab_kit as ck
+import figures
 
 TOKEN_LIMIT = 384
 STEPS = 40
@@ -101,6 +103,9 @@ def held_out_loss(m) -> float:
 
 
 def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    figures.add_arguments(parser, "oom_vs_auto_find")
+    args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="oom_bench-"))
     rows = []
 
@@ -155,7 +160,27 @@ def main() -> int:
     print(f"\nthe kit reproduced the OOM-free run (max weight difference {kit_row[5]:.1e}, same steps, same "
           f"effective batch); auto_find_batch_size made it a different training: {auto_row[1]} optimizer "
           f"steps instead of {STEPS} ({auto_row[2]} thrown away by restarts), effective batch {auto_row[3]}")
+    draw(args, rows)
     return 0 if ok and math.isfinite(auto_row[4]) else 1
+
+
+def draw(args, rows) -> None:
+    """The three runs side by side: optimizer steps run, the effective batch they ended with, the held-out loss."""
+    fig, axes = figures.figure(8.0, 3.2, ncols=3)
+    names = ["no OOM", "colab_kit", "auto_find_\nbatch_size"]
+    colors = ["0.6", "tab:green", "tab:red"]
+    for ax, column, title in zip(axes, (1, 3, 4), ("optimizer steps run", "effective batch at the end",
+                                                  "held-out loss")):
+        values = [row[column] for row in rows]
+        ax.bar(names, values, color=colors)
+        ax.set_title(title, fontsize=10)
+        ax.tick_params(axis="x", labelsize=8)
+        for x, value in enumerate(values):
+            ax.annotate(f"{value:.4g}", (x, value), ha="center", va="bottom", fontsize=8)
+    fig.suptitle(f"The same OOM (above {TOKEN_LIMIT} tokens per micro-batch): the kit's run is the OOM-free one "
+                 f"(weights within {rows[1][5]:.1e}),\nthe Trainer's auto_find_batch_size makes it another training "
+                 f"(restarts, a smaller batch)", fontsize=10)
+    figures.save(fig, args)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,8 @@ from contextlib import redirect_stdout
 from datetime import date
 from pathlib import Path
 
+import figures
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -128,6 +130,7 @@ def main() -> None:
     parser.add_argument("--no-full", action="store_true", help="time the plans only, without the full-depth check")
     parser.add_argument("--before", action="store_true", help="also time the plan as made before issue 47 (slow: "
                         "minutes for the 1.5 B shapes)")
+    figures.add_arguments(parser, "plan_speed")
     args = parser.parse_args()
     keys = [k.strip() for k in args.shapes.split(",") if k.strip()]
     unknown = [k for k in keys if k not in SHAPES]
@@ -140,24 +143,55 @@ def main() -> None:
           f"{os.cpu_count()} cores, torch {torch.__version__}")
     print(f"{'shape':<58} {'plan s':>7} {'full s':>7} {'ratio':>6} {'peaks':>9}  how"
           + (f"  {'before s':>8} {'ratio':>7}" if args.before else ""))
+    timed = []  # (shape, plan s, full s or None, before s or None)
     for key in keys:
         seconds, plan = plan_once(key, full_depth=False)
         how = next((n for n in plan.notes if "configurations traced" in n), "")
         how = "derived" if "derived" in how else "full depth"
         if args.no_full:
             print(f"{SHAPES[key][0]:<58} {seconds:7.1f} {'-':>7} {'-':>6} {'-':>9}  {how}", flush=True)
+            timed.append((SHAPES[key][0], seconds, None, None))
             continue
         full_seconds, full = plan_once(key, full_depth=True)
         difference = largest_difference(plan, full)
         line = (f"{SHAPES[key][0]:<58} {seconds:7.1f} {full_seconds:7.1f} {full_seconds / seconds:5.1f}x "
                 f"{difference:8.4%}  {how:<10}")
+        before_seconds = None
         if args.before:
             before_seconds, before = plan_once(key, full_depth=True, before=True)
             assert largest_difference(plan, before) < 1e-3, "the plan before issue 47 gave other peaks"
             line += f"  {before_seconds:8.1f} {before_seconds / seconds:6.1f}x"
         print(line, flush=True)
+        timed.append((SHAPES[key][0], seconds, full_seconds, before_seconds))
     print("plan s: the plan as made by default; full s: every block traced; peaks: the largest difference between "
           "the two plans' peaks over every row" + ("; before s: full depth as before issue 47" if args.before else ""))
+    draw(args, timed)
+
+
+def draw(args, timed) -> None:
+    """Seconds to make each plan, by default beside every block traced (and the plan before issue 47)."""
+    import numpy as np
+
+    fig, ax = figures.figure(8.0, 1.4 + 0.55 * len(timed))
+    y = np.arange(len(timed))
+    series = [("the plan (default)", 1, "tab:green"), ("every block traced (full_depth=True)", 2, "tab:blue"),
+              ("before issue 47", 3, "tab:red")]
+    series = [s for s in series if any(row[s[1]] is not None for row in timed)]
+    height = 0.8 / len(series)
+    for n, (label, column, color) in enumerate(series):
+        values = [row[column] or 0.0 for row in timed]
+        ax.barh(y + n * height, values, height, label=label, color=color)
+    ax.set_yticks(y + height * (len(series) - 1) / 2, [row[0] for row in timed], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xscale("log")
+    longest = max(v for row in timed for v in row[1:] if v)
+    ticks = [t for t in (1, 2, 5, 10, 20, 50, 100, 200, 500) if t <= 1.5 * longest]
+    ax.set_xticks(ticks, [str(t) for t in ticks])
+    ax.minorticks_off()
+    ax.set_xlabel("seconds to make the plan (log scale)")
+    ax.legend(fontsize=8, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncols=len(series), frameon=False)
+    fig.suptitle("Will it fit? Seconds to plan each shape on this machine", fontsize=10)
+    figures.save(fig, args)
 
 
 if __name__ == "__main__":

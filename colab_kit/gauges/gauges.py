@@ -42,7 +42,8 @@ class Gauges:
     Args:
         total_steps: for the ETA.
         title: shown in the header (the run name inside `run.train`).
-        local_dir, drive_dir: folders whose free disk space is shown.
+        local_dir: a folder whose free disk space is shown (the local scratch).
+        drive_dir: a folder whose free disk space is shown (the persistent folder).
         save_html: where the final summary is written as a standalone HTML file.
         write: how it is written, `write(path, data)` (inside `run.train`: by the mirror's thread, so
             that the end of training never waits for Drive); default: at once.

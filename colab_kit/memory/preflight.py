@@ -166,7 +166,8 @@ def preflight(model, training_args=None, tokenizer=None, *, train_dataset=None, 
         model: the model (on any device, `meta` included).
         training_args: the `TrainingArguments` to be used.
         tokenizer: its tokenizer.
-        train_dataset, num_training_steps: to know the total steps when `max_steps` is not set.
+        train_dataset: to know the total steps when `max_steps` is not set.
+        num_training_steps: the total steps, when known (taken before `max_steps` and the dataset).
         plan: a memory plan (`ck.plan_memory`); default: the last one made for this model. With a plan,
             the memory verdict is the plan's (activations included) instead of a count of the training state.
         verbose: print the report.

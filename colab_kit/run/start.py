@@ -101,12 +101,12 @@ def start_run(name: str, *, drive: str | os.PathLike | None = None, local_dir: s
         heartbeat_s: lease heartbeat interval (a lease is stale after 4 missed beats; default 30 s on a folder,
             2 minutes on the Hub, where each beat is a commit).
         quiet: do not print the summary.
-        settle, assumed_rate: where nothing confirms uploads (durability "unconfirmed"), no guess about
-            the upload rate deletes anything: the kit keeps the run's oldest checkpoint, every one
-            younger than `settle`, and one per doubling of age beyond it (`drive/retention.py`);
-            `assumed_rate` only paces writes (the next checkpoint goes after the previous one's size at
-            that rate). A duration ("10min", or seconds, above zero) and a rate ("1MB/s", or bytes per
-            second). Nothing is ever reported as in the cloud there.
+        settle: where nothing confirms uploads (durability "unconfirmed"), no guess about the upload rate
+            deletes anything: the kit keeps the run's oldest checkpoint, every one younger than `settle`, and
+            one per doubling of age beyond it (`drive/retention.py`). A duration ("10min", or seconds, above
+            zero). Nothing is ever reported as in the cloud there.
+        assumed_rate: there, it only paces writes: the next checkpoint goes after the previous one's size at
+            this rate ("1MB/s", or bytes per second).
         confirm: how a checkpoint is known to be in the cloud: "auto" (DriveFS's attributes where
             they answer, else unconfirmed), "attributes" (an error where they are missing), "api"
             (every file's size and md5 through Drive's API; asks consent once in Colab; pruned

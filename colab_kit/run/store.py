@@ -133,7 +133,9 @@ class CheckpointStore:
             step: the number of optimizer steps done (names the folder).
             model: saved with safetensors (shared/tied tensors handled); a sharded model (FSDP2) with
                 torch.distributed.checkpoint, together with `optimizer`.
-            optimizer, scheduler, scaler: their `state_dict()`s.
+            optimizer: its `state_dict()`.
+            scheduler: its `state_dict()`.
+            scaler: its `state_dict()` (a `torch.amp.GradScaler`).
             **extra: small picklable-free values (numbers, strings, lists, dicts, tensors),
                 available as `store.extra` after `restore_latest`.
 

@@ -267,7 +267,7 @@ def test_two_nodes_with_their_own_local_disks(tmp_path, reference):
 
 
 def test_a_notebook_runs_as_a_script_under_torchrun(tmp_path):
-    """The README's "More than one GPU" recipe: the GPT-2 notebook's cells as a script, quick preset."""
+    """The "More than one GPU" recipe (docs/multi-gpu.md): the GPT-2 notebook's cells as a script, quick preset."""
     notebook = json.loads((NOTEBOOKS / "distilgpt2_finetune.ipynb").read_text())
     cells = []
     for cell in notebook["cells"]:
@@ -278,7 +278,7 @@ def test_a_notebook_runs_as_a_script_under_torchrun(tmp_path):
             source += f'\nPRESET = "quick"\nDRIVE_DIR = {str(tmp_path / "drive")!r}\nMAX_STEPS = 12\n'
         cells.append(source)
     script = tmp_path / "distilgpt2_finetune.py"
-    cells.append("import torch.distributed\ntorch.distributed.destroy_process_group()")  # the README's last line
+    cells.append("import torch.distributed\ntorch.distributed.destroy_process_group()")  # the recipe's last line
     script.write_text("\n\n".join(cells) + "\n")
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
