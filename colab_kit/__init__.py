@@ -29,7 +29,7 @@ from .memory.preflight import preflight
 from .memory.recipes import memory_args
 from .run.run import Run
 from .run.start import start_run
-from .run.store import CheckpointStore
+from .loop.store import CheckpointStore
 from .runtime import KIT_VERSION as __version__  # noqa: F401
 from .runtime import detect_runtime, in_colab, in_kaggle, in_notebook
 from .tasks import lora, rna, text, versions

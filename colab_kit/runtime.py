@@ -159,7 +159,7 @@ _versions: dict[str, str] | None = None
 
 def library_versions() -> dict[str, str]:
     """What a checkpoint is written with: Python, the libraries that read it back, CUDA and the GPU (recorded in
-    every manifest; a resume under others says what changed, `run/drift.py`). Read once a process (a package
+    every manifest; a resume under others says what changed, `lifecycle/drift.py`). Read once a process (a package
     upgraded under a running kernel is not the one it runs anyway); CUDA's, from the torch it has imported."""
     global _versions
     if _versions is None:

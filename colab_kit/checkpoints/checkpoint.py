@@ -52,7 +52,7 @@ def trainer_state(checkpoint: str | os.PathLike) -> dict:
 
 def recorded_best(checkpoint: str | os.PathLike) -> int | None:
     """The step of the checkpoint that `checkpoint`'s trainer_state.json names as best, or None. Read where a
-    checkpoint is read: the resume (`run/find.py`) and the Hub's filling of a new VM (`hub/fill.py`)."""
+    checkpoint is read: the resume (`lifecycle/find.py`) and the Hub's filling of a new VM (`hub/fill.py`)."""
     return step_of(trainer_state(checkpoint).get("best_model_checkpoint"))
 
 

@@ -1,5 +1,5 @@
 """What a run's journal says of its checkpoints: which were written to the persistent folder and which were
-confirmed in the cloud, since the last fresh start. The finders (`search.py`, `run/find.py`) read it before they
+confirmed in the cloud, since the last fresh start. The finders (`search.py`, `lifecycle/find.py`) read it before they
 trust an empty or a partial listing: absence is not evidence where the journal says a checkpoint was there.
 """
 

@@ -173,7 +173,7 @@ class Publisher:
         verdict = validity.check(target, step=manifest.step)
         if verdict.unknown and not verdict.absent:  # a torn read among them: look again later
             if not ours:
-                self.blocked_by = target  # another save's, unreadable: finish says what helps (`run/finish.py`)
+                self.blocked_by = target  # another save's, unreadable: finish says what helps (`lifecycle/finish.py`)
             raise OSError(errno.EIO, f"{target.name}: {verdict.reason}")
         if not ours:
             return "other"

@@ -1,4 +1,3 @@
-"""The run that ties the rooms below together: `start_run` (`start`), the `Run` object (`run`),
-training through the HF Trainer (`training`, `callbacks`, `best`), the exported model (`final`),
-the end of a run (`finish`), the runs this process has open (`registry`), what a run folder holds
-(`status`), and the same durability for plain PyTorch loops (`store`)."""
+"""The run's public face: `start_run` (`start`, its arguments `startargs`, what it prints `summary`), the `Run`
+object (`run`), what a run folder holds (`status`), and the session's end (`release`). What lies under it has rooms
+of its own: `lifecycle/`, `trainer/`, `loop/`, `export/`."""

@@ -25,7 +25,7 @@ from ..drive.retention import Ladder
 from ..drive.mount import remount_drive
 from ..errors import ColabKitError, LeaseLostError
 from ..runtime import RuntimeInfo
-from .registry import TrainClock
+from ..lifecycle.registry import TrainClock
 
 __all__ = ["Run"]
 
@@ -110,7 +110,7 @@ class Run:
         time/step-based saves, Drive mirroring and, unless `start_run(gauges=False)`, live gauges
         (on rank 0 only)."""
         if self._callbacks is None:
-            from .callbacks import DriveSyncCallback, GaugesCallback, SaveScheduleCallback
+            from ..trainer.callbacks import DriveSyncCallback, GaugesCallback, SaveScheduleCallback
 
             self._callbacks = [SaveScheduleCallback(self), DriveSyncCallback(self)]
             if self.show_gauges and self.ranks.writer:
@@ -140,7 +140,7 @@ class Run:
                 of 8 make a step about 1.4x faster.
             **train_kwargs: passed to `trainer.train`.
         """
-        from .training import train
+        from ..trainer.training import train
 
         self._require_open("train")
         return train(self, trainer, oom_recovery=oom_recovery, grow_back_after=grow_back_after,
@@ -155,7 +155,7 @@ class Run:
         Raises:
             ResumeMismatchError: what changed, and `ck.start_run(name, resume=False)`.
         """
-        from .training import check_compatible
+        from ..trainer.training import check_compatible
 
         check_compatible(self, model, args, total_steps)
 
@@ -175,7 +175,7 @@ class Run:
         Raises:
             DriveError: the copy kept failing; the export stays on local disk (the message says where).
         """
-        from .final import save_final
+        from ..export.final import save_final
 
         return save_final(self, model, tokenizer, metrics, retries, merged=merged)
 
@@ -184,7 +184,7 @@ class Run:
 
         Under several processes every rank takes one (and calls save and restore_latest, as it calls its
         training step's collectives): rank 0 writes and mirrors, the others add their own share."""
-        from .store import CheckpointStore
+        from ..loop.store import CheckpointStore
 
         self._require_own_process("open a checkpoint store")
         store = CheckpointStore(self.drive_dir, keep=self.keep, local_dir=self.local_dir, async_save=async_save,
@@ -292,7 +292,7 @@ class Run:
         }
 
     def _close_gauges(self, error: str | None = None) -> None:
-        from .callbacks import GaugesCallback
+        from ..trainer.callbacks import GaugesCallback
 
         for cb in self._callbacks or []:
             if isinstance(cb, GaugesCallback):
@@ -317,7 +317,7 @@ class Run:
         Returns:
             `status()` plus "status" ("unsynced": checkpoints wait, the run stays open), "synced", "in_cloud".
         """
-        from .finish import finish_run
+        from ..lifecycle.finish import finish_run
         from .release import release_runtime as release
         summary = finish_run(self, timeout, status, flush=flush, cloud_wait=True)
         if release_runtime:

@@ -32,13 +32,13 @@ from ..drive.mount import resolve_root
 from ..drive.retention import Ladder
 from ..errors import DriveError
 from ..runtime import detect_runtime, in_colab, in_kaggle, library_versions
-from .drift import describe_drift, drift
-from .find import fetch_best_of, find_resume, kit_state, set_aside_newer
-from .fresh import archive_checkpoints
-from .hubstart import hub_address, open_hub, replica_of
+from ..lifecycle.drift import describe_drift, drift
+from ..lifecycle.find import fetch_best_of, find_resume, kit_state, set_aside_newer
+from ..lifecycle.fresh import archive_checkpoints
+from ..lifecycle.hubstart import hub_address, open_hub, replica_of
 from .startargs import check_settings
-from .finish import close_run, close_unheld_runs
-from .registry import TrainClock, open_runs, register, unregister
+from ..lifecycle.finish import close_run, close_unheld_runs
+from ..lifecycle.registry import TrainClock, open_runs, register, unregister
 from .run import Run
 from .summary import stopped_claiming, stopped_opening, summary
 
@@ -115,7 +115,7 @@ def start_run(name: str, *, drive: str | os.PathLike | None = None, local_dir: s
         store: "hf://<user>/<repo>" (or "hf://datasets/<user>/<repo>", with a folder after it if wanted) keeps
             the run in `<repo>/<name>/` on the Hugging Face Hub instead of a folder: each checkpoint one commit,
             in the cloud once the repo lists every file with the manifest's sha256; the token from $HF_TOKEN,
-            Colab's or Kaggle's secrets (HF_TOKEN), or a saved login (`run/hubstart.py`). `drive=` may hold
+            Colab's or Kaggle's secrets (HF_TOKEN), or a saved login (`lifecycle/hubstart.py`). `drive=` may hold
             such an address too. On Kaggle, with neither, the Hub is used when a token is found.
 
     Several processes (torchrun, `accelerate launch`, `notebook_launcher`: RANK and WORLD_SIZE

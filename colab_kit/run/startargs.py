@@ -5,7 +5,7 @@ from __future__ import annotations
 from .._units import is_count, parse_duration, parse_rate
 from ..drive.confirm import check_confirm
 from ..drive.retention import Ladder
-from .find import RESUME_MODES
+from ..lifecycle.find import RESUME_MODES
 
 __all__ = ["check_settings"]
 

@@ -73,7 +73,7 @@ def _cloud_state(folder: Path, manifest, kind: str) -> tuple[str, int]:
 
 
 def show_status(run_dir: str, events: int, quick: bool) -> int:
-    from .hubstatus import replica_address, show_hub_status
+    from ..lifecycle.hubstatus import replica_address, show_hub_status
 
     if is_hub_address(run_dir):
         return show_hub_status(run_dir, events)

@@ -25,7 +25,7 @@ from colab_kit.checkpoints.journal import read_events
 from colab_kit.checkpoints.manifest import Manifest, hash_folder, read_manifest, write_manifest
 from colab_kit.checkpoints.shards import IncompleteShards
 from colab_kit.checkpoints.snapshot import take_snapshot
-from colab_kit.run.callbacks import DriveSyncCallback
+from colab_kit.trainer.callbacks import DriveSyncCallback
 
 pytestmark = pytest.mark.slow
 

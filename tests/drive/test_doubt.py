@@ -30,7 +30,7 @@ from colab_kit.drive.drivefs import DRIVEFS
 from colab_kit.drive.lease import LEASE, Lease, LeaseInfo, read_lease
 from colab_kit.drive.mirror import Mirror
 from colab_kit.errors import LeaseHeldError
-from colab_kit.run.registry import unregister
+from colab_kit.lifecycle.registry import unregister
 from colab_kit.tasks.demo import tiny_trainer
 
 

@@ -120,7 +120,7 @@ def test_gauges_can_be_turned_off(drive, local):
     run = ck.start_run("off", drive=drive, local_dir=local, gauges=False, quiet=True)
     run.train(tiny_trainer(run, max_steps=3))
     assert not (drive / "off" / "gauges.html").exists()
-    from colab_kit.run.callbacks import GaugesCallback
+    from colab_kit.trainer.callbacks import GaugesCallback
 
     assert not any(isinstance(cb, GaugesCallback) for cb in run.callbacks())
 

@@ -13,7 +13,7 @@ from transformers import TrainerCallback
 import colab_kit as ck
 from colab_kit.checkpoints import validity
 from colab_kit.hub.repo import HubRepo, HubUnavailable
-from colab_kit.run import hubstart
+from colab_kit.lifecycle import hubstart
 from colab_kit.tasks.demo import tiny_trainer, toy_classification
 
 FILL = "colab_kit-hub-fill"

@@ -6,7 +6,7 @@ import threading
 
 import colab_kit as ck
 from colab_kit.hub.repo import HubRepo
-from colab_kit.run import hubstart
+from colab_kit.lifecycle import hubstart
 from colab_kit.tasks.demo import tiny_trainer
 
 

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 from made import make_checkpoint
 
-from colab_kit.run.best import early_stopped, fetch_best, recorded_best, restore_best, step_of
+from colab_kit.lifecycle.best import early_stopped, fetch_best, recorded_best, restore_best, step_of
 
 
 def write_state(folder, **state):

@@ -12,7 +12,7 @@ from colab_kit._notices import Notices
 from colab_kit.checkpoints.manifest import read_manifest
 from colab_kit.drive.cloud import CloudTracker
 from colab_kit.drive.drivefs import PLAIN
-from colab_kit.run.callbacks import SaveScheduleCallback
+from colab_kit.trainer.callbacks import SaveScheduleCallback
 from colab_kit.tasks.demo import tiny_trainer
 
 

@@ -11,7 +11,7 @@ from test_run import events, start
 from colab_kit import ColabKitError, lora
 from colab_kit.checkpoints.validity import verify_folder
 from colab_kit.memory import adapters
-from colab_kit.run import merge
+from colab_kit.export import merge
 
 
 def tiny_lora(rank=4):

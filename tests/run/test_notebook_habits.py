@@ -19,7 +19,7 @@ from colab_kit.checkpoints.checkpoint import list_checkpoints
 from colab_kit.checkpoints.validity import verify_folder
 from colab_kit.drive.lease import LEASE, Lease, LeaseInfo, read_lease
 from colab_kit.run import start as start_module
-from colab_kit.run.registry import open_runs
+from colab_kit.lifecycle.registry import open_runs
 from colab_kit.tasks.demo import tiny_trainer
 
 

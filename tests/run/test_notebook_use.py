@@ -142,7 +142,7 @@ def test_a_plain_loop_that_lost_its_lease_cannot_save(drive, local):
 def test_a_run_no_variable_holds_is_finished_when_the_next_one_trains(drive, local, monkeypatch, capsys):
     # Before: the start_run cell run again under a new RUN_NAME left the old run open (two uploaders, two
     # lease threads, released: false until the kernel exited).
-    from colab_kit.run import registry
+    from colab_kit.lifecycle import registry
 
     namespace = {}  # the notebook's variables
     monkeypatch.setattr(registry, "user_namespace", lambda: namespace)
@@ -209,7 +209,7 @@ class PressStop(TrainerCallback):
 @pytest.fixture
 def notebook(monkeypatch):
     """A kernel's setting: in a notebook, with Python's own SIGINT handler (restored after the test)."""
-    from colab_kit.run import stop
+    from colab_kit.trainer import stop
 
     monkeypatch.setattr(stop, "in_notebook", lambda: True)
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -287,7 +287,7 @@ def test_a_failed_write_on_a_full_disk_gets_a_note_that_says_so(tmp_path, monkey
     import types
 
     from colab_kit.checkpoints import storage
-    from colab_kit.run.disk import explain_disk_full
+    from colab_kit.trainer.disk import explain_disk_full
 
     run = types.SimpleNamespace(local_dir=tmp_path, last_checkpoint_bytes=2_000_000, last_saved_step=40)
     monkeypatch.setattr(storage, "free_bytes", lambda path: 120_000)
@@ -323,7 +323,7 @@ def test_finding_6_a_deleted_run_folder_is_named_and_the_start_run_cell_goes_on(
     with pytest.raises(ck.LeaseLostError, match=r"is gone \(deleted or moved\?\), so this runtime stopped training "
                        r"at step 21; nothing was deleted, and checkpoint-20 is saved on this VM's disk"):
         run.stop_if_lease_lost(21)  # what the training loop asks at its next step
-    from colab_kit.run import finish
+    from colab_kit.lifecycle import finish
 
     monkeypatch.setattr(finish, "CLOSE_WAIT_S", 2.0)  # the earlier run can write nothing: it lets go
     again = start(drive, local, save_every=None)  # what the message says to do
@@ -336,7 +336,7 @@ def test_stop_pressed_while_finish_waits_releases_the_run_cleanly(drive, local, 
     # Before: a stop pressed during finish's silent wait left the run open, its lease held, its uploader alive.
     import torch
 
-    from colab_kit.run import finish
+    from colab_kit.lifecycle import finish
 
     run = start(drive, local, save_every=None)
     run.mirror.publisher.may_write_next = lambda now, pace: False  # the write waits (a slow Drive)

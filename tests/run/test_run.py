@@ -16,7 +16,7 @@ from colab_kit.checkpoints.journal import read_events
 from colab_kit.checkpoints.manifest import read_manifest
 from colab_kit.checkpoints.validity import verify_folder
 from colab_kit.drive.lease import read_lease
-from colab_kit.run.callbacks import DriveSyncCallback, SaveScheduleCallback
+from colab_kit.trainer.callbacks import DriveSyncCallback, SaveScheduleCallback
 from colab_kit.tasks.demo import tiny_trainer, toy_classification
 
 

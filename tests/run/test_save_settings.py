@@ -16,7 +16,7 @@ from colab_kit.checkpoints.checkpoint import list_checkpoints
 from colab_kit.checkpoints.journal import read_events
 from colab_kit.checkpoints.validity import verify_folder
 from colab_kit.errors import ColabKitError
-from colab_kit.run.callbacks import bind
+from colab_kit.trainer.callbacks import bind
 from colab_kit.tasks.demo import tiny_trainer, toy_classification
 
 pytestmark = pytest.mark.slow

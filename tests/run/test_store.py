@@ -131,7 +131,7 @@ def test_run_checkpoint_store_shares_the_run_folder(drive, local):
 def test_a_save_killed_halfway_leaves_no_staging_behind_at_the_next_start(drive, local, monkeypatch):
     """A process killed inside `save` leaves its half-written staging folder on the local disk; the next store
     on that folder removes it. A staging folder of a live process (this one's) is left alone."""
-    from colab_kit.run.statefiles import staging_name
+    from colab_kit.loop.statefiles import staging_name
 
     ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     with monkeypatch.context() as m:

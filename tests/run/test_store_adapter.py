@@ -9,7 +9,7 @@ import torch
 
 import colab_kit as ck
 from colab_kit.checkpoints.validity import verify_folder
-from colab_kit.run.statefiles import ADAPTER_FILE, MODEL_FILE
+from colab_kit.loop.statefiles import ADAPTER_FILE, MODEL_FILE
 
 
 def adapter_model(base_seed=0, rank=4):

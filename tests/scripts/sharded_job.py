@@ -83,7 +83,7 @@ def inject(where: str, at_step: int, rank: int, current: dict) -> None:
     """Make this rank raise a ValueError in the checkpoint save of `at_step`."""
     message = f"injected on rank {rank} in the checkpoint save at step {at_step}"
     if where == "files":
-        from colab_kit.run import statefiles
+        from colab_kit.loop import statefiles
 
         real = statefiles._rng_state
 

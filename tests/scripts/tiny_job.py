@@ -51,7 +51,7 @@ class Killer:
 def install_kill_hooks(killer: Killer, drive: Path) -> None:
     from colab_kit.checkpoints import storage
     from colab_kit.drive import deleters
-    from colab_kit.run import statefiles
+    from colab_kit.loop import statefiles
 
     write_chunk = storage._write_chunk
 

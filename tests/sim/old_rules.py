@@ -20,7 +20,8 @@ from colab_kit.drive.gate import CheckpointGate, choose
 from colab_kit.drive.lease import Lease
 from colab_kit.checkpoints.leasefile import STALE_AFTER_BEATS
 from colab_kit.drive.mirror import Mirror
-from colab_kit.run import find, storefind
+from colab_kit.lifecycle import find
+from colab_kit.loop import storefind
 
 __all__ = ["OLD_RULES", "patched"]
 

@@ -41,7 +41,7 @@ from ..distributed.agreement import agree_outcome
 from ..drive.drivefs import folder_kind
 from ..drive.mirror import Mirror
 from . import statefiles
-from .finish import wait_a_while
+from ..lifecycle.finish import wait_a_while
 from .storefind import check_fits, find_checkpoint
 from .storeload import restore_into
 from .storerules import refuse_launch, refuse_unusable

@@ -29,7 +29,7 @@ from ..drive.cloud import upload_for
 from ..drive.drivefs import HUB
 from ..drive.gate import act
 from ..errors import ColabKitError, DriveError
-from .hubstart import PullProgress
+from ..lifecycle.hubstart import PullProgress
 
 _STAGING = f".{FINAL}.new-"  # a new export, written beside final/ until it verifies
 

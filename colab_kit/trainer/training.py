@@ -17,12 +17,12 @@ from ..drive.drivefs import HUB
 from ..errors import ColabKitError, ResumeMismatchError
 from ..memory.recipes import make_length_grouping_resumable
 from ..runtime import library_versions
-from .best import TRAINER_STATE, early_stopped, restore_best
+from ..lifecycle.best import TRAINER_STATE, early_stopped, restore_best
 from .callbacks import bind
 from .changes import describe_changes
-from .drift import note_failure
+from ..lifecycle.drift import note_failure
 from .disk import explain_disk_full
-from .fresh import fresh_start_advice, resume_argument, start_over
+from ..lifecycle.fresh import fresh_start_advice, resume_argument, start_over
 from .savesettings import check_save_settings, keep_asked_saves
 from .stop import StopButton, keep_open_after_stop
 
@@ -39,7 +39,7 @@ def train(run, trainer, *, oom_recovery: bool = True, grow_back_after: int | Non
     from ..memory.microbatch import TrainerMicroBatching
     from ..memory.oom import OutOfMemoryError, is_fatal_cuda_error, is_oom_error
     from ..memory.plan import planned_micro_batch
-    from .finish import close_unheld_runs, finish_run
+    from ..lifecycle.finish import close_unheld_runs, finish_run
 
     # Refused before anything changes: the run stays open for a corrected call.
     if micro_batch is not None and not is_count(micro_batch):

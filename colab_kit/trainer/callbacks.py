@@ -21,7 +21,7 @@ from ..checkpoints.snapshot import SNAPSHOTS, take_snapshot
 from ..distributed import ranks
 from ..drive.drivefs import cloud_name
 from ..errors import ColabKitError
-from .best import restore_best, step_of
+from ..lifecycle.best import restore_best, step_of
 from .disk import check_local_space
 from .savesettings import saves_at_epoch_end, strategy
 

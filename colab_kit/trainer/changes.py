@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..drive.drivefs import HUB
-from .fresh import fresh_start_advice
+from ..lifecycle.fresh import fresh_start_advice
 
 __all__ = ["describe_changes", "SCHEDULE_SHAPE"]
 
