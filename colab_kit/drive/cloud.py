@@ -11,7 +11,7 @@ A checkpoint goes through three states, and the kit reports each for what it is:
 DriveFS's attributes with a backoff that grows with each item's age (so a 10-second upload is
 timed to about a second and a 20-minute one is polled every 15 s), and measures the upload
 rate from the confirmations. It never blocks training: the mirror's worker polls it, and so does
-`run.finish()` while it waits (`run/finish.wait_for_cloud`).
+`run.finish()` while it waits (`lifecycle/finish.wait_for_cloud`).
 
 Only an item whose every byte is known to match its manifest (`verified`: published and read back,
 fetched, or found VALID by `validity.check`) is ever claimed in the cloud. An item that a poll
