@@ -213,7 +213,7 @@ def check_compatible(run, model, args, total_steps: int | None = None) -> None:
         raise ResumeMismatchError(
             f"checkpoint-{run.resume_manifest.step} in {run.drive_dir} was made by a different "
             "setup, so training cannot continue from it: " + "; ".join(problems) + ". "
-            f"Restore the old settings to continue, or "
+            "Restore the old settings to continue, or "
             + fresh_start_advice(run.name, run.drive_dir, on_hub=run.durability == HUB))
     compatible = {k: v for k, v in run.fingerprint.items() if k not in INCOMPATIBLE}
     said = describe_changes(run, saved, compatible, args, total_steps)
