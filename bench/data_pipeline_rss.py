@@ -1,6 +1,7 @@
 """Peak host RAM of the data pipeline: the crashed notebook's vs this kit's, on the same corpus.
 
     python bench/data_pipeline_rss.py [--articles 3000] [--max-length 1024] [--block-size 512]
+                                      [--figure PATH | --no-figure]
 
 Both pipelines read the same generated wikitext-like corpus from a text file with `datasets`
 (memory-mapped Arrow, as wikitext-2 is), tokenize it with the same byte-level BPE tokenizer,
@@ -23,6 +24,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import figures
 
 
 def pipeline(kind: str, corpus: Path, tokenizer_dir: Path, max_length: int, block_size: int) -> dict:
@@ -60,6 +63,7 @@ def main() -> int:
     parser.add_argument("--max-length", type=int, default=1024)
     parser.add_argument("--block-size", type=int, default=512)
     parser.add_argument("--_child", nargs=2, help=argparse.SUPPRESS)
+    figures.add_arguments(parser, "data_pipeline_rss")
     args = parser.parse_args()
     if args._child:
         kind, workdir = args._child
@@ -93,7 +97,31 @@ def main() -> int:
     print(f"\npeak RSS seed/kit: {seed['peak_rss_bytes'] / kit['peak_rss_bytes']:.2f}x; tokens fed per epoch "
           f"seed/kit: {seed['tokens_fed'] / kit['tokens_fed']:.1f}x (padding); Arrow cache seed/kit: "
           f"{seed['arrow_cache_bytes'] / max(kit['arrow_cache_bytes'], 1):.1f}x")
+    draw(args, results, len(lines))
     return 0
+
+
+def draw(args, results: dict, lines: int) -> None:
+    """The table's three sizes side by side, seed beside kit, each panel titled with its ratio seed/kit."""
+    mb = 1024 ** 2
+    fig, axes = figures.figure(8.0, 3.2, ncols=3)
+    names = ["seed", "kit"]
+    panels = (("peak_rss_bytes", "peak RSS (MiB)", mb, "{:.0f}", "{:.2f}"),  # the ratios as the last line has them
+              ("tokens_fed", "tokens fed per epoch (M)", 1e6, "{:.2f}", "{:.1f}"),
+              ("arrow_cache_bytes", "Arrow cache (MiB)", mb, "{:.1f}", "{:.1f}"))
+    for ax, (key, title, scale, fmt, ratio) in zip(axes, panels):
+        values = [results[kind][key] / scale for kind in ("seed", "kit")]
+        ax.bar(names, values, color=["tab:red", "tab:green"])
+        ax.set_title(f"{title}\nseed/kit: {ratio.format(results['seed'][key] / max(results['kit'][key], 1))}x",
+                     fontsize=10)
+        ax.tick_params(axis="x", labelsize=8)
+        ax.set_ylim(0, max(values) * 1.15)
+        for x, value in enumerate(values):
+            ax.annotate(fmt.format(value), (x, value), ha="center", va="bottom", fontsize=8)
+    fig.suptitle(f"The DistilGPT2 notebook's data pipeline, one epoch of the same {lines:,}-line corpus:\n"
+                 f"seed: padded to max_length={args.max_length}; kit: text.tokenize_and_group into blocks of "
+                 f"{args.block_size}", fontsize=10)
+    figures.save(fig, args)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 `ck.CheckpointStore`, written in the background (async DCP) or in the foreground (sync DCP), against the
 kit's DDP path (rank 0 writes the replicated model and optimizer with safetensors and torch.save).
 
-    python bench/fsdp_save.py [--width 1024] [--layers 8] [--saves 5] [--steps-between 6]
+    python bench/fsdp_save.py [--width 1024 [2048 ...]] [--layers 8] [--saves 5] [--steps-between 6]
+                              [--figure PATH | --no-figure]
 
 Two gloo processes on the CPU (torchrun, started by this script). Each mode trains the same MLP with
 AdamW and saves every --steps-between steps into its own run folder (a local folder standing in for
@@ -15,11 +16,15 @@ Host RAM of an async save: the bytes of the state dict DCP's stager copies to ho
 the copy it returns), against the rank's shards of model and optimizer; and rank 0's resident memory
 (psutil RSS, sampled every millisecond) at its peak while the save is in flight and after it, above its
 RSS just before.
+
+Several widths run in turn, each its own torchrun and its own table; the figure draws every width's pauses per
+mode (rank 0 leaves its numbers in the run's folder for the launcher, which draws).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
@@ -27,6 +32,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import figures
 
 
 def build(width: int, layers: int, sharded: bool):
@@ -87,6 +94,7 @@ def ranks_main(args) -> None:
         mode["store"].close()
     if rank == 0:
         report(args, modes, shard_bytes, grew, held, staged[0])
+        keep_for_figure(root, modes)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -166,23 +174,66 @@ def report(args, modes: dict, shard_bytes: int, grew: int, held: int, staged: in
           f"{held / 2**20:.1f} MiB after")
 
 
+def keep_for_figure(root: Path, modes: dict) -> None:
+    """Rank 0's pauses and model size, for the launcher to draw (it has the command line the figure is stamped with)."""
+    params = sum(p.numel() for p in modes["sync"]["model"].parameters())
+    (root / "pauses.json").write_text(json.dumps({"params": params, **{n: m["pauses"] for n, m in modes.items()}}))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--width", type=int, nargs="+", default=[1024], help="the MLP's width; several run in turn")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--saves", type=int, default=5)
     parser.add_argument("--steps-between", type=int, default=6)
     parser.add_argument("--root")
+    figures.add_arguments(parser, "fsdp_save")
     args = parser.parse_args()
     if "RANK" in os.environ:
+        (args.width,) = args.width  # a rank runs the one width its launcher gave it
         ranks_main(args)
         return
-    with tempfile.TemporaryDirectory(prefix="fsdp-save-") as root:
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", __file__,
-                   "--width", str(args.width), "--layers", str(args.layers), "--saves", str(args.saves),
-                   "--steps-between", str(args.steps_between), "--root", root]
-        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-        sys.exit(subprocess.run(command, env=env).returncode)
+    sizes = []  # (width, rank 0's numbers) per width run
+    with tempfile.TemporaryDirectory(prefix="fsdp-save-") as tmp:
+        for width in args.width:
+            root = Path(tmp) / f"width-{width}"
+            command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", __file__,
+                       "--width", str(width), "--layers", str(args.layers), "--saves", str(args.saves),
+                       "--steps-between", str(args.steps_between), "--root", str(root)]
+            env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+            code = subprocess.run(command, env=env).returncode
+            if code:
+                sys.exit(code)
+            sizes.append((width, json.loads((root / "pauses.json").read_text())))
+    draw(args, sizes)
+
+
+def draw(args, sizes) -> None:
+    """Per width, each mode's median pause as a bar and every save's pause as a dot."""
+    import numpy as np
+
+    fig, ax = figures.figure(7.5, 3.8)
+    modes = (("ddp", "DDP (rank 0 writes all)", "tab:gray"), ("sync", "FSDP2, sync DCP", "tab:blue"),
+             ("async", "FSDP2, async DCP", "tab:green"))
+    x = np.arange(len(sizes))
+    width = 0.8 / len(modes)
+    for n, (name, label, color) in enumerate(modes):
+        at = x + (n - 1) * width  # the three modes around each width's tick
+        medians = [statistics.median(numbers[name]) * 1e3 for _, numbers in sizes]
+        ax.bar(at, medians, width, label=label, color=color, alpha=0.8)
+        for i, (_, numbers) in enumerate(sizes):
+            pauses = [p * 1e3 for p in numbers[name]]
+            ax.scatter([at[i]] * len(pauses), pauses, s=10, color="black", zorder=3)
+            ax.annotate(f"{medians[i]:.0f} ms", (at[i], max(medians[i], *pauses)), ha="center", va="bottom",
+                        fontsize=8, xytext=(0, 3), textcoords="offset points")  # above the bar and its dots
+    ax.set_xticks(x, [f"--width {w}: {numbers['params'] / 1e6:.1f} M params,\n{numbers['params'] * 16 / 2**20:.0f} MiB "
+                      "of model and AdamW state" for w, numbers in sizes], fontsize=8)
+    ax.set_ylabel("training paused per save (ms)")
+    ax.legend(fontsize=8, loc="upper left", frameon=False)
+    ax.set_ylim(0, ax.get_ylim()[1] * 1.08)
+    ax.set_title(f"A plain loop's pause per checkpoint through CheckpointStore, 2 gloo processes:\nthe median of "
+                 f"{args.saves} saves per mode (bars, in ms), each save (dots)", fontsize=10)
+    figures.save(fig, args)
 
 
 if __name__ == "__main__":

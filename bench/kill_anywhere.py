@@ -1,12 +1,13 @@
 """Kill a training job at many random moments; every restart must resume from a valid checkpoint.
 
-    python bench/kill_anywhere.py [--moments 24] [--loop trainer|plain] [--seed 0]
+    python bench/kill_anywhere.py [--moments 24] [--loop trainer|plain] [--seed 0] [--figure PATH | --no-figure]
 
 Each moment is a SIGKILL either at a random point of a random phase (mid-step, mid local
 save, mid upload, mid manifest write, mid prune, mid journal append, mid resume-copy) or from
 outside after a random delay. Half the restarts also wipe local disk (a new Colab VM). Checks:
 no restart crashes, each resumes from a checkpoint at most one save interval behind the last
-save, and the final weights equal an uninterrupted run's.
+save, and the final weights equal an uninterrupted run's. The figure draws the table's rows: each kill moment's
+phase, the step its run resumed from, and the last save before it with one save interval below it.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "scripts"))
+import figures  # noqa: E402
 import harness  # noqa: E402
 
 # Upper bounds of K per phase, small enough that most runs reach their moment before the end.
@@ -34,6 +36,7 @@ def main() -> int:
     parser.add_argument("--loop", choices=["trainer", "plain"], default="trainer")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=100)
+    figures.add_arguments(parser, "kill_anywhere")
     args = parser.parse_args()
     rng = random.Random(args.seed)
     root = Path(tempfile.mkdtemp(prefix="kill_anywhere-"))
@@ -63,9 +66,10 @@ def main() -> int:
         if resumed is not None:  # killed after it started: check where it resumed from
             check = "ok" if resumed >= pending_before - job.save_every else "LOST >1 INTERVAL"
             violations += check != "ok"
+            behind = pending_before - resumed  # the steps of training the restart does again
             pending_before = None
         else:  # killed while fetching its checkpoint, before it started: the next start is checked
-            resumed, check = "-", "later"
+            resumed, check, behind = "-", "later", None
         if code == 0:
             # The chosen moment did not come before the end: start the job over from nothing.
             completed_runs += 1
@@ -76,7 +80,7 @@ def main() -> int:
         moments += 1
         wipe = rng.random() < 0.5
         rows.append((moments, what, "killed" if code == -signal.SIGKILL else f"exit {code}", before, resumed,
-                     check, "new VM" if wipe else "same VM"))
+                     check, "new VM" if wipe else "same VM", behind))  # behind: drawn, not printed
         if wipe:
             job.new_vm()
     code, text = job.run()
@@ -90,8 +94,48 @@ def main() -> int:
           f"(runs that finished before their moment, restarted fresh: {completed_runs})")
     print(f"final run: {'completed' if final_ok else 'FAILED'}; max |w - w_uninterrupted| = {diff}")
     print(f"wall time {time.monotonic() - started:.0f} s")
+    draw(args, rows, job.save_every, crashes, violations, diff)
     return 0 if final_ok and crashes == 0 and violations == 0 and diff is not None and diff <= 1e-6 else 1
 
+
+def draw(args, rows, save_every: int, crashes: int, violations: int, diff) -> None:
+    """Row by row as the table has them: each run's kill moment, the step it resumed from at its start (a dot in the
+    kill's colour) and the last save before it with one save interval below it (the check: at or above the bottom).
+    "then" is what followed the kill (the next run's VM), marked on the moment's label."""
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    fig, ax = figures.figure(8.5, 4.0)
+    phases = [*PHASE_RANGE, "outside"]
+    colours = dict(zip(phases, ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown",
+                                "tab:pink", "tab:gray")))
+    for number, what, _, before, resumed, _, _, behind in rows:
+        colour = colours[what.split(":")[0].split(" ")[0]]
+        if behind is None:  # killed while fetching, before it started: the next restart is the one checked
+            ax.scatter(number, before, marker="x", color=colour, zorder=3)
+            continue
+        checked = resumed + behind  # the last save the check measures from (before, or an earlier unchecked one)
+        ax.bar(number, min(save_every, checked), bottom=max(checked - save_every, 0), width=0.6, color="0.9",
+               edgecolor="0.6")
+        ax.scatter(number, resumed, color=colour, s=28, zorder=3)
+    legend = [Patch(facecolor="0.9", edgecolor="0.6", label=f"the last save and one save interval\n({save_every} "
+                    "steps) below it: ok at or above"),
+              Line2D([], [], marker="o", color="0.3", linestyle="", label="resumed from, at the run's start"),
+              Line2D([], [], marker="x", color="0.3", linestyle="",
+                     label="killed before it started\n(checked at the next start)"),
+              *(Patch(color=colours[phase], label=f"killed at: {phase}") for phase in phases)]
+    ax.set_xticks([row[0] for row in rows], [row[1].replace("outside after ", "out ") + (" *" if row[6] == "new VM"
+                                                                                         else "") for row in rows],
+                  rotation=60, ha="right", fontsize=7)
+    ax.set_xlim(0.3, len(rows) + 0.7)
+    ax.set_ylim(-2, args.steps + 2)
+    ax.set_xlabel("kill moment, in the table's order (*: then a new VM, local disk wiped)", fontsize=8)
+    ax.set_ylabel("training step")
+    ax.legend(handles=legend, fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5), frameon=False)
+    ax.set_title(f"SIGKILL at {len(rows)} moments (loop={args.loop}): {crashes} crashes, {violations} restarts over "
+                 f"one interval behind;\nthe final weights against an uninterrupted run's: max |difference| = {diff}",
+                 fontsize=10)
+    figures.save(fig, args)
 
 if __name__ == "__main__":
     sys.exit(main())
