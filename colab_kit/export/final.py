@@ -6,7 +6,7 @@ until it is in the cloud (`run.finish()` waits for it).
 
 `final/` is never half-replaced: "Run all" again exports the same model, which leaves the verified export as
 it is; another one is written beside it (`.final.new-<id>/`) and swapped in once it verifies, the one it
-replaces moved to `archive/final-<time>/` (nothing is deleted). A stop, a Drive error or a lost runtime
+replaces moved to `archive/final-<time>-<runtime>/` (nothing is deleted). A stop, a Drive error or a lost runtime
 during the copy leaves the last export whole.
 """
 
@@ -15,8 +15,8 @@ from __future__ import annotations
 import errno
 import json
 import shutil
+import time
 import uuid
-from datetime import datetime, timezone
 from pathlib import Path
 
 from .._notices import no_shard_bars
@@ -157,11 +157,10 @@ def _swap_in(run, staging: Path, target: Path, manifest: Manifest) -> Path | Non
     moved = {}
 
     def swap():
-        stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:4]  # two in one second
         leftovers = [e.path for e in storage.list_dir(run.drive_dir)
                      if e.name.startswith(_STAGING) and e.path != str(staging)]
         for old in ([target] if storage.exists(target) else []) + [Path(p) for p in leftovers]:
-            aside = run.drive_dir / ARCHIVE / f"{old.name.lstrip('.')}-{stamp}"
+            aside = _archive_name(run, old.name.lstrip("."))
             storage.make_dirs(aside.parent)
             storage.replace(old, aside)
             validity.forget(old)
@@ -173,6 +172,23 @@ def _swap_in(run, staging: Path, target: Path, manifest: Manifest) -> Path | Non
                swap, journal=run.journal):
         raise OSError(errno.EAGAIN, "the run's lease could not be confirmed now, so final/ was not replaced")
     return moved.get("final")
+
+
+def _archive_name(run, name: str) -> Path:
+    """Where an export that is replaced goes: `archive/<name>-<time>-<runtime>`, a name no other export ever had.
+
+    Another runtime's archive/ may be on the Hub and not in this replica (archive/ is never fetched), so a name
+    only unlikely to be taken is not enough: two exports archived under one name become one folder on the Hub,
+    the older one's files lost (the simulator found it, seeds 5486 and 9750). The lease's session tells runtimes
+    apart; within this runtime, a name its own archive/ holds is never reused. The time is the kit's clock."""
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(clock.time()))
+    runtime = run.lease.info.session[:12] if run.lease is not None else uuid.uuid4().hex[:12]
+    aside = run.drive_dir / ARCHIVE / f"{name}-{stamp}-{runtime}"
+    again = 1
+    while storage.exists(aside):
+        again += 1
+        aside = run.drive_dir / ARCHIVE / f"{name}-{stamp}-{runtime}-{again}"
+    return aside
 
 
 def _what_final_holds(target: Path) -> str:

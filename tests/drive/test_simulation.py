@@ -105,6 +105,24 @@ def test_a_spell_of_429s_that_begins_inside_a_watch_never_takes_a_live_runtime_o
     assert any("rt2 refused: LeaseHeldError" in line and "heartbeat ad" in line for line in outcome.trace)
 
 
+def test_exports_archived_in_one_second_by_two_runtimes_stay_two_archives(monkeypatch):
+    """The Hub simulation failed I10 now and then under pytest, at seeds that passed alone (5486 in one run, 9750
+    in CI's): the replaced export's archive/ name was the wall clock's second and 4 random hex digits, and the
+    simulated runs export many times in one real second. Two runtimes' exports then met under one name on the
+    Hub, the older one's files lost. With the random part the same every time, those seeds failed every time;
+    the name now holds the kit's clock and the runtime's session, and they pass."""
+    import uuid
+
+    from colab_kit.export import final
+
+    same = uuid.UUID(int=0)
+    monkeypatch.setattr(final, "uuid", type("Uuid", (), {"uuid4": staticmethod(lambda: same)}))
+    for seed in (5486, 9750):
+        outcome = run_schedule(make_schedule(seed), HubWorld)
+        assert outcome.happened.get("exports of final/", 0) >= 2, outcome.happened  # what the case needs
+        assert not outcome.violations, report(outcome, shrunk=False)
+
+
 # A watch without its own commits first misjudges a live holder only where a spell of 429s, a second runtime and
 # the race after the spell meet: the first such schedule is seed 5784. Retention that judges only a new VM's
 # replica errs only where the Hub refuses its downloads until the run ends: seed 3983.
