@@ -18,7 +18,7 @@ from .checkpoints.journal import read_events
 from .drive.drivecheck import drive_check
 from .drive.driveapi import DriveApi
 from .errors import (CheckpointError, ColabKitError, ColabKitWarning, DriveError, LeaseHeldError, LeaseLostError,
-                     RankFailedError, ResumeMismatchError)
+                     RankFailedError, ResumeMismatchError, TimeLimitReached)
 from .gauges.gauges import Gauges, plot_history
 from .memory import recipes  # noqa: F401  (ck.recipes.freeze_layers, as notebooks before 0.3 call it)
 from .memory.oom import OutOfMemoryError, free_memory, is_oom_error
@@ -72,4 +72,5 @@ __all__ = [
     "ResumeMismatchError",
     "CheckpointError",
     "RankFailedError",
+    "TimeLimitReached",
 ]

@@ -9,7 +9,8 @@ _DURATION_UNITS = {
     "m": 60, "min": 60, "mins": 60, "minute": 60, "minutes": 60,
     "h": 3600, "hr": 3600, "hrs": 3600, "hour": 3600, "hours": 3600,
 }
-_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-z]+)\s*$")
+_DURATION_PART = r"(\d+(?:\.\d+)?)\s*([a-z]+)"
+_DURATION_RE = re.compile(rf"^\s*(?:{_DURATION_PART}\s*)+$")
 
 
 def is_count(value) -> bool:
@@ -18,18 +19,19 @@ def is_count(value) -> bool:
 
 
 def parse_duration(text: str) -> float:
-    """Parse "90s", "10min", "1.5h" into seconds.
+    """Parse "90s", "10min", "1.5h", or a sum of them such as "11h30m" or "1h 15min", into seconds.
 
     Raises:
         ValueError: with the accepted forms, for anything else.
     """
-    match = _DURATION_RE.match(str(text).lower())
-    if not match or match.group(2) not in _DURATION_UNITS:
+    text = str(text).lower()
+    parts = re.findall(_DURATION_PART, text) if _DURATION_RE.match(text) else []
+    if not parts or any(unit not in _DURATION_UNITS for _, unit in parts):
         raise ValueError(
             f"cannot read {text!r} as a duration; use a number with a unit such as "
-            '"90s", "10min" or "1h", or an int for a number of optimizer steps'
+            '"90s", "10min", "1h" or "11h30m", or an int for a number of optimizer steps'
         )
-    seconds = float(match.group(1)) * _DURATION_UNITS[match.group(2)]
+    seconds = sum(float(number) * _DURATION_UNITS[unit] for number, unit in parts)
     if seconds <= 0:
         raise ValueError(f"the duration {text!r} must be longer than zero")
     return seconds

@@ -11,6 +11,7 @@ __all__ = [
     "ResumeMismatchError",
     "CheckpointError",
     "RankFailedError",
+    "TimeLimitReached",
 ]
 
 
@@ -40,6 +41,10 @@ class CheckpointError(ColabKitError):
 
 class RankFailedError(ColabKitError):
     """Another process of the same launch failed during a step; this one stops with it."""
+
+
+class TimeLimitReached(ColabKitError):
+    """The run stopped before the session's time limit (`start_run(time_limit=...)`), saved and finished."""
 
 
 class ColabKitWarning(UserWarning):

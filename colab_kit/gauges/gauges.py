@@ -155,6 +155,8 @@ class Gauges:
             parts.append(f"checkpoint {self.status['saved_step']} saved")
         if self.status.get("cloud"):
             parts.append(self.status["cloud"])  # what is in the cloud, what is pending (cloud.py)
+        if self.status.get("session"):
+            parts.append(self.status["session"])  # start_run(time_limit=...): what is left of the session
         if self.status.get("oom_backoffs"):
             parts.append(f"OOM back-offs {self.status['oom_backoffs']} (micro-batch {self.status.get('micro_batch')})")
         return " · ".join(parts)

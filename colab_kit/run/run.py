@@ -93,6 +93,8 @@ class Run:
         self._callbacks: list | None = None
         self._last_remount = float("-inf")
         self.lost_to: str | None = None  # who took the run folder over, once the lease is lost
+        self.session = None  # start_run(time_limit=...): the session's clock (`lifecycle/deadline.py`)
+        self.session_stop, self.release_at_limit = None, False  # why training stopped for it, once it did
         self._finished = False
         self._stores = weakref.WeakSet()  # from checkpoint_store(): finish() names a save they still write
         self._summary: dict | None = None
@@ -258,13 +260,8 @@ class Run:
     def durability(self) -> str:
         return self.mirror.kind
 
-    @property
-    def cloud_step(self) -> int | None:
-        return self.mirror.tracker.summary()["cloud_step"]
-
-    @property
-    def cloud_age_s(self) -> float | None:
-        return self.mirror.tracker.summary()["cloud_age_s"]
+    cloud_step = property(lambda self: self.mirror.tracker.summary()["cloud_step"])
+    cloud_age_s = property(lambda self: self.mirror.tracker.summary()["cloud_age_s"])
 
     @property
     def pending_bytes(self) -> int:

@@ -32,6 +32,7 @@ from ..drive.mount import resolve_root
 from ..drive.retention import Ladder
 from ..errors import DriveError
 from ..runtime import detect_runtime, in_colab, in_kaggle, library_versions
+from ..lifecycle.deadline import resolve_time_limit
 from ..lifecycle.drift import describe_drift, drift
 from ..lifecycle.find import fetch_best_of, find_resume, kit_state, set_aside_newer
 from ..lifecycle.fresh import archive_checkpoints
@@ -75,7 +76,7 @@ def start_run(name: str, *, drive: str | os.PathLike | None = None, local_dir: s
               save_every: str | int | None = "10min", keep: int = 3, resume: bool | str = True,
               takeover: bool = False, gauges: bool = True, heartbeat_s: float | None = None, quiet: bool = False,
               settle: str | float = "10min", assumed_rate: str | float = "1MB/s", confirm="auto",
-              store: str | None = None) -> Run:
+              store: str | None = None, time_limit: str | float | None = None, release_at_limit: bool = False) -> Run:
     """Open (or reopen) a run whose checkpoints survive a runtime reset.
 
     Args:
@@ -117,6 +118,13 @@ def start_run(name: str, *, drive: str | os.PathLike | None = None, local_dir: s
             in the cloud once the repo lists every file with the manifest's sha256; the token from $HF_TOKEN,
             Colab's or Kaggle's secrets (HF_TOKEN), or a saved login (`lifecycle/hubstart.py`). `drive=` may hold
             such an address too. On Kaggle, with neither, the Hub is used when a token is found.
+        time_limit: the session's limit ("11h30m", "90min", or seconds; default none, and 12 h on Kaggle, its
+            documented cap; False: none even there). Before it, `run.train` saves, waits until that checkpoint is
+            in the cloud, finishes the run and raises `TimeLimitReached` (so "Run all" stops there), so the
+            session's end never falls in the middle of an upload. It counts from the runtime's start in Colab
+            and on Kaggle (a restarted kernel keeps the time spent), else from this call
+            (`lifecycle/deadline.py`).
+        release_at_limit: then also give the Colab runtime back, once everything is confirmed in the cloud.
 
     Several processes (torchrun, `accelerate launch`, `notebook_launcher`: RANK and WORLD_SIZE
     set): every rank calls start_run; rank 0 holds the lease, uploads, journals and prints, and
@@ -135,6 +143,7 @@ def start_run(name: str, *, drive: str | os.PathLike | None = None, local_dir: s
     ladder, pace_bps, (save_every_s, save_every_steps) = check_settings(keep, confirm, resume, settle, assumed_rate,
                                                                    save_every)
     runtime = detect_runtime()
+    session = resolve_time_limit(time_limit, colab=runtime.colab, kaggle=runtime.kaggle)
     early = Notices()
     address = hub_address(store, drive, kaggle=runtime.kaggle, say=early.add)
     if address is not None and resume is False:
@@ -148,10 +157,12 @@ def start_run(name: str, *, drive: str | os.PathLike | None = None, local_dir: s
         drive_dir, on_drive = replica_of(name, local), False
     ranks = detect_ranks()
     if not ranks.writer:  # no lease, no uploader, no journal: rank 0 is the run's one writer
-        return Run(name, drive_dir, local, on_drive=on_drive, save_every_s=save_every_s,
-                   save_every_steps=save_every_steps, keep=keep, runtime=runtime, lease=None,
-                   journal=SilentJournal(), notices=Notices(silent=True), gauges=False,
-                   kind=folder_kind(drive_dir, on_drive=on_drive), prune_after=_PRUNE_AFTER, ranks=ranks)
+        follower = Run(name, drive_dir, local, on_drive=on_drive, save_every_s=save_every_s,
+                       save_every_steps=save_every_steps, keep=keep, runtime=runtime, lease=None,
+                       journal=SilentJournal(), notices=Notices(silent=True), gauges=False,
+                       kind=folder_kind(drive_dir, on_drive=on_drive), prune_after=_PRUNE_AFTER, ranks=ranks)
+        follower.session = session  # rank 0's clock decides; every rank asks it at the same steps
+        return follower
 
     close_earlier_runs(name, drive_dir)
 
@@ -175,6 +186,7 @@ def start_run(name: str, *, drive: str | os.PathLike | None = None, local_dir: s
     except KeyboardInterrupt:  # the stop button: open_claimed stopped its uploader and let the lease go
         print(stopped_opening(name, drive_dir, replaced), flush=True)
         raise
+    run.session, run.release_at_limit = session, release_at_limit
     try:
         register(run)
         lease.start_heartbeat(run._lease_lost)
@@ -189,6 +201,8 @@ def start_run(name: str, *, drive: str | os.PathLike | None = None, local_dir: s
 
     if not quiet:
         print(summary(run, found, replaced, lease.took_over_because, archived, save_every))
+    if session is not None:
+        run.journal.write("session", limit_s=session.limit_s, ends=round(session.ends, 1), source=session.source)
     run.notices.show()
     return run
 

@@ -26,6 +26,9 @@ def summary(run, found: Found | None, replaced, because: str | None, archived: P
     every = f"{save_every} of training" if run.save_every_s else (
         f"{run.save_every_steps} steps" if run.save_every_steps else "the Trainer's save_steps")
     lines.append(f"  saves: every {every} and at the end; {run.keep} kept in the cloud")
+    if run.session is not None:
+        lines.append(f"  {run.session.describe()} ({run.session.source}, counted from {run.session.counted_from}): "
+                     f"before it, training saves, waits for the cloud and finishes")
     if run.durability == UNCONFIRMED:  # said once: what the kit keeps where it cannot know
         lines.append(f"  pruning: nothing here confirms an upload, so no rate is guessed: the kit keeps "
                      f"{run.mirror.ladder.describe()} (start_run(settle=) sets where the doubling begins); "

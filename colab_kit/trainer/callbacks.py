@@ -24,6 +24,7 @@ from ..errors import ColabKitError
 from ..lifecycle.best import restore_best, step_of
 from .disk import check_local_space
 from .savesettings import saves_at_epoch_end, strategy
+from .timelimit import TimeLimitWatch
 
 __all__ = ["SaveScheduleCallback", "DriveSyncCallback", "GaugesCallback", "bind", "rebind_output_dir"]
 
@@ -104,6 +105,7 @@ class SaveScheduleCallback(TrainerCallback):
         self._asked: int | None = None  # the step whose save the kit asked for, until the Trainer makes it
         self._journaled_interval: float | None = None
         self._told = False
+        self.limit = TimeLimitWatch(run)  # start_run(time_limit=...): when to stop before the session ends
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.run.clock.start()
@@ -129,15 +131,30 @@ class SaveScheduleCallback(TrainerCallback):
         self.run.poll()
         step = state.global_step
         self.run.stop_if_lease_lost(step)
+        self.limit.step_ended()
         button = getattr(self.run, "stop_button", None)
         if button is not None and button.requested:  # the stop button, pressed once: save this step, then pause
             control.should_training_stop = True
             wanted = step != self._last_saved_step
         else:
             wanted = self._due(step, state)
+            if self._at_limit(kwargs.get("model"), saving=wanted):  # the session's end is near: save, then finish
+                control.should_training_stop = True
+                wanted = step != self._last_saved_step
         if wanted:
             self._ask(step, args, state, control, kwargs.get("model"))
         return control
+
+    def _at_limit(self, model, saving: bool) -> bool:
+        """Has the session's end come near (rank 0 decides, every rank stops at the same step)? `saving`: a save
+        is due at this step anyway, so going on means one more checkpoint to upload at the end."""
+        if getattr(self.run, "session", None) is None:
+            return False
+        if self.run.session_stop is None:
+            due = ranks.from_writer(self.limit.due(model, saving=saving) if self.run.ranks.writer else False)
+            if due and self.run.session_stop is None:  # a follower: rank 0 saw it
+                self.run.session_stop = "rank 0 saw the session's limit near"
+        return self.run.session_stop is not None
 
     def on_epoch_end(self, args, state, control, **kwargs):
         if self._at_epoch_end == state.global_step:  # the save left to this epoch end: made sure of, once
@@ -165,6 +182,7 @@ class SaveScheduleCallback(TrainerCallback):
             return
         control.should_save = True
         self._asked = step
+        self.limit.save_asked()
         check_local_space(self.run, model, step)  # the Trainer writes it to local disk next: a full disk is named first
 
     def interval(self) -> float:
@@ -217,6 +235,7 @@ class SaveScheduleCallback(TrainerCallback):
                     f"for {cloud}. A duration such as save_every=\"{minutes}min\" stretches by itself")
         self._last_save_seconds = self.run.clock.seconds
         self._last_saved_step = state.global_step
+        self.limit.saved()
 
     def on_train_end(self, args, state, control, **kwargs):
         self.check_made(args)
@@ -291,7 +310,8 @@ class GaugesCallback(TrainerCallback):
         batching = run.micro_batching
         backoffs = len(batching.train.backoffs) + len(batching.eval.backoffs) if batching is not None else 0
         return {"saved_step": run.last_saved_step, "cloud": run.mirror.tracker.describe(),
-                "oom_backoffs": backoffs, "micro_batch": batching.train.micro_batch if batching else None}
+                "oom_backoffs": backoffs, "micro_batch": batching.train.micro_batch if batching else None,
+                "session": run.session.describe() if getattr(run, "session", None) is not None else None}
 
     def on_train_begin(self, args, state, control, **kwargs):
         from ..gauges.gauges import Gauges

@@ -25,6 +25,7 @@ from .disk import explain_disk_full
 from ..lifecycle.fresh import fresh_start_advice, resume_argument, start_over
 from .savesettings import check_save_settings, keep_asked_saves
 from .stop import StopButton, keep_open_after_stop
+from .timelimit import end_at_limit
 
 __all__ = ["train", "trainer_fingerprint", "check_compatible", "adjust_args", "planned_max_steps"]
 
@@ -96,7 +97,8 @@ def train(run, trainer, *, oom_recovery: bool = True, grow_back_after: int | Non
                     output = trainer.train(**train_kwargs)
         if stop.requested:  # the step ended and was saved: the cell ends as stopped, so "Run all" stops here
             raise KeyboardInterrupt
-        status = "completed"
+        limited = run.session_stop is not None and trainer.state.global_step < (trainer.state.max_steps or 1 << 62)
+        status = "time limit" if limited else "completed"
         return output
     except KeyboardInterrupt:
         status = "stopped" if stop.armed else "interrupted"
@@ -124,6 +126,8 @@ def train(run, trainer, *, oom_recovery: bool = True, grow_back_after: int | Non
             guard.uninstall()
         if status == "stopped":  # the run stays open: the training cell run again continues
             keep_open_after_stop(run, trainer, stop.presses)
+        elif status == "time limit":  # saved: it waits for the cloud, finishes, raises TimeLimitReached
+            end_at_limit(run, trainer.state.global_step)
         else:
             finish_run(run, 300, status, cloud_wait=False)  # the notebook's run.finish() waits for the cloud
 
