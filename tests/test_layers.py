@@ -64,7 +64,7 @@ def test_the_contract_lists_every_room_and_the_top_level_stays_small():
     listed = {name.strip() for layer in contract["layers"] for name in layer.split("|")}
     entries = {p.stem for p in PACKAGE.iterdir() if p.name != "__init__.py" and p.name != "__pycache__"}
     assert listed == entries and contract["exhaustive"] is True
-    assert len(entries) <= 17, sorted(entries)  # 13 rooms (run/ split in four: round 6) and the base's files
+    assert len(entries) <= 18, sorted(entries)  # 14 rooms (run/ split in four, report/: round 6) and the base's files
 
 
 def test_no_module_passes_350_lines():

@@ -48,6 +48,7 @@ class LeaseInfo:
     heartbeat: float
     heartbeat_s: float
     released: bool = False
+    step: int | None = None  # the training step at this heartbeat (the status page says the same: `report/`)
 
 
 def read_lease(path: str | Path) -> LeaseInfo | None:

@@ -67,6 +67,7 @@ class CloudTracker:
         self.last_bytes = 0  # size of the newest checkpoint written
         self._lock = threading.RLock()
         self._polling = threading.Lock()  # one poll at a time (one may hang on a stalled mount)
+        self.on_confirmed = None  # called with each checkpoint confirmed in the cloud (the status page: `report/`)
 
     # -- adding and forgetting ---------------------------------------------------------------------
     def add(self, upload: Upload, *, confirmed: bool | None = None) -> bool:
@@ -245,6 +246,8 @@ class CloudTracker:
                 self.journal.write("cloud", **fields, seconds=round(upload.confirmed_at - upload.saved, 2),
                                    bytes=upload.bytes, rate_bps=round(rate) if rate else None)
             log.info("%s is in the cloud (%s)", upload.label, format_bytes(upload.bytes))
+            if self.on_confirmed is not None:
+                self.on_confirmed(upload)
 
     def next_poll_in(self) -> float | None:
         """Seconds until an item is due for polling; None when nothing waits."""

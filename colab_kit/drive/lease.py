@@ -71,7 +71,10 @@ class Lease:
         self.watched_s = 0.0  # how long the last acquire watched another host's lease
         self.watching: LeaseInfo | None = None  # the other host's lease while acquire watches it
         self._stop = threading.Event()
+        self._wake = threading.Event()  # a beat now (a checkpoint reached the cloud), not at the next interval
         self._thread: threading.Thread | None = None
+        self.progress: Callable[[], int | None] | None = None  # the training step each beat carries
+        self.after_beat: Callable[[], None] | None = None  # the status page, written after each beat (`report/`)
 
     def acquire(self, takeover: bool = False, run_name: str = "NAME",
                 on_watch: Callable[[LeaseInfo, float], None] | None = None) -> LeaseInfo | None:
@@ -237,6 +240,8 @@ class Lease:
 
     def _write(self) -> None:
         self.info.heartbeat = clock.time()
+        if self.progress is not None:
+            self.info.step = self.progress()
         # One line: rewritten at every heartbeat. A flat dataclass: asdict's deep copy is not needed.
         storage.atomic_write_json(self.path, dict(vars(self.info)), indent=None)
 
@@ -280,26 +285,41 @@ class Lease:
         """One heartbeat (its thread calls this every `heartbeat_s`; so does the simulator). Returns False
         once the lease is lost (`on_lost` was called with whoever holds it now), True otherwise."""
         try:
-            if self.beat() is False:
-                try:
-                    holder = read_lease(self.path)
-                except (OSError, ValueError):
-                    holder = None
-                on_lost(holder)
-                return False
+            beat = self.beat()
         except OSError as exc:  # Drive trouble: keep trying (unknown is not lost); the mirror reports it
             log.debug("lease heartbeat failed: %s", exc)
-            if on_error:
-                on_error(exc)
+            return on_error(exc) or True if on_error else True
+        if beat is False:
+            try:
+                holder = read_lease(self.path)
+            except (OSError, ValueError):
+                holder = None
+            on_lost(holder)
+            return False
+        if beat:
+            self._after_beat()
         return True
+
+    def _after_beat(self) -> None:
+        if self.after_beat is not None:
+            try:
+                self.after_beat()
+            except Exception as exc:  # noqa: BLE001 - the status page never costs the lease
+                log.debug("the status page was not written: %s", exc)
+
+    def beat_now(self) -> None:
+        """Beat at once rather than at the next interval (the heartbeat's thread does it)."""
+        self._wake.set()
 
     def start_heartbeat(self, on_lost: Callable[[LeaseInfo | None], None],
                         on_error: Callable[[OSError], None] | None = None) -> None:
         """Renew the lease every `heartbeat_s` seconds in a daemon thread."""
 
         def loop():
-            while not self._stop.wait(self.heartbeat_s):
-                if not self.step(on_lost, on_error):
+            while True:
+                self._wake.wait(self.heartbeat_s)
+                self._wake.clear()
+                if self._stop.is_set() or not self.step(on_lost, on_error):
                     return
 
         self._thread = threading.Thread(target=loop, name="colab_kit-lease", daemon=True)
@@ -312,6 +332,7 @@ class Lease:
         took the folder from still sees, at its next heartbeat, that it no longer owns it.
         """
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
         if self.lost:
@@ -320,6 +341,7 @@ class Lease:
         def mark_released():
             self.info.released = True
             self._write()
+            self._after_beat()  # the run's last page
 
         try:
             act("release the lease", LEASE, [lambda: None if self.check() is True else "not confirmed as ours now"],

@@ -83,7 +83,12 @@ class HubLease:
         self._lock = threading.Lock()  # one commit at a time: the heartbeat thread and the uploader
         self._committed: bytes | None = None  # the lease's bytes in this runtime's last commit
         self._stop = threading.Event()
+        self._wake = threading.Event()  # a beat now (a checkpoint reached the cloud), not at the next interval
+        self._force = False
         self._thread: threading.Thread | None = None
+        self.progress: Callable[[], int | None] | None = None  # the training step each heartbeat carries
+        # The status page's files for a heartbeat commit: (step, time) -> {path in the repo: bytes} (`report/`)
+        self.riders: Callable[[int | None, float], dict] | None = None
 
     # -- claiming ---------------------------------------------------------------------------------------
     def acquire(self, takeover: bool = False, run_name: str = "NAME",
@@ -285,10 +290,11 @@ class HubLease:
     def step(self, on_lost: Callable[[LeaseInfo | None], None], on_error: Callable[[OSError], None] | None = None) -> bool:
         """One heartbeat: a commit of the lease alone when no other commit renewed it for `heartbeat_s`.
         Returns False once the lease is lost (`on_lost` called with the holder), True otherwise."""
-        if clock.monotonic() - self.committed_at < self.heartbeat_s:
+        if not self._force and clock.monotonic() - self.committed_at < self.heartbeat_s:
             return not self.lost
+        self._force = False
         try:
-            self.commit("colab_kit: heartbeat")
+            self.commit("colab_kit: heartbeat", add=self._riders())
         except LeaseLost as exc:
             on_lost(exc.holder)
             return False
@@ -298,11 +304,31 @@ class HubLease:
                 on_error(exc)
         return True
 
+    def beat_now(self) -> None:
+        """Commit a heartbeat at once (with the status page) rather than at the next interval."""
+        self._force = True
+        self._wake.set()
+
+    def _riders(self) -> dict | None:
+        """The files a heartbeat commit carries beside the lease: the status page (`report/`), with the step the
+        lease carries too; none when they cannot be made (the heartbeat never waits on a page)."""
+        if self.progress is not None:
+            self.info.step = self.progress()
+        if self.riders is None:
+            return None
+        try:
+            return self.riders(self.info.step, clock.time())
+        except Exception as exc:  # noqa: BLE001
+            log.debug("the status page was not made: %s", exc)
+            return None
+
     def start_heartbeat(self, on_lost: Callable[[LeaseInfo | None], None],
                         on_error: Callable[[OSError], None] | None = None) -> None:
         def loop():
-            while not self._stop.wait(min(30.0, self.heartbeat_s / 4)):
-                if not self.step(on_lost, on_error):
+            while True:
+                self._wake.wait(min(30.0, self.heartbeat_s / 4))
+                self._wake.clear()
+                if self._stop.is_set() or not self.step(on_lost, on_error):
                     return
 
         self._thread = threading.Thread(target=loop, name="colab_kit-hub-lease", daemon=True)
@@ -311,13 +337,14 @@ class HubLease:
     def release(self) -> None:
         """Stop the heartbeat and commit the lease released, if it is still this runtime's."""
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
         if self.lost:
             return
         self.info.released = True
         try:
-            self.commit("colab_kit: lease released")
+            self.commit("colab_kit: lease released", add=self._riders())  # with the run's last page
         except OSError as exc:  # LeaseLost, HubUnavailable, another answer
             log.warning("could not release the lease of %s: %s (another runtime takes it after watching it)",
                         self.folder, exc)

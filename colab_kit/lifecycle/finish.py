@@ -81,6 +81,7 @@ def finish_run(run, timeout: float | None, status: str, *, flush: bool = False, 
     run.mirror.finish_deletions(max(1.0, deadline - clock.monotonic()) if deadline is not None else 60.0)
     run.mirror.close(timeout=_left(deadline, 10.0))
     _stop_filling(run)
+    _closing(run, status)
     _within(deadline, run.lease.release, at_least=1.0)
     run._finished = True
     run._summary = summary
@@ -136,6 +137,12 @@ def _stop_filling(run) -> None:
         run.mirror.tracker.api.fill.stop()
 
 
+def _closing(run, status: str) -> None:
+    """The lease's release carries the run's last status page, saying how it ended (`report/`)."""
+    if getattr(run, "reporter", None) is not None:
+        run.reporter.closing(status)
+
+
 def let_go(run, status: str) -> None:
     """Finish a run that cannot wait any longer (stop pressed during finish's waits, or a new start_run): it is
     left consistent (what is written stays, what is not stays on local disk), the uploader's thread stopped
@@ -144,6 +151,7 @@ def let_go(run, status: str) -> None:
     run.journal.write("finish", status=status, synced=False, in_cloud=False)
     run.mirror.close(timeout=5.0)
     _stop_filling(run)
+    _closing(run, status)
     try:
         clock.within(5.0, run.lease.release)
     except Late:

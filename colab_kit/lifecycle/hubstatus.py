@@ -22,6 +22,7 @@ from ..checkpoints.manifest import MANIFEST, parse_manifest
 from ..hub.address import HubAddress
 from ..hub.repo import HubRepo, HubUnavailable
 from ..hub.verify import not_shown
+from ..report.state import state_lines
 
 __all__ = ["show_hub_status", "mark_replica", "replica_address"]
 
@@ -73,12 +74,13 @@ def _show(address: HubAddress, events: int) -> int:
     print(f"run: {address} (the Hub's head: {head[:12]})")
     print("durability: the Hugging Face Hub: a checkpoint is in the cloud when the repo's listing shows each of its "
           "files with its manifest's sha256")
-    _print_lease(repo.read(f"{folder}/{LEASE}", revision=head))
+    lease = _print_lease(repo.read(f"{folder}/{LEASE}", revision=head))
+    raw = repo.read(f"{folder}/{EVENTS}", revision=head)
+    journal = parse_events(raw) if raw else []
+    print(*state_lines(lease, journal), sep="\n")
     newest = _print_checkpoints(repo, folder, head, listing)
     print(f"resume would use: checkpoint-{newest}" if newest is not None
           else "resume would start fresh: no checkpoint is whole on the Hub")
-    raw = repo.read(f"{folder}/{EVENTS}", revision=head)
-    journal = parse_events(raw) if raw else []
     if journal:
         print(f"last {min(events, len(journal))} of {len(journal)} events (as committed):")
         for event in journal[-events:]:
@@ -98,22 +100,24 @@ def _token() -> str | None:
         return None  # a public repo reads without one; a private one answers 401, said as unreadable
 
 
-def _print_lease(raw: bytes | None) -> None:
+def _print_lease(raw: bytes | None):
+    """Say the lease at the head; returns it (None: none; False: unreadable)."""
     if raw is None:
         print("lease: none (no runtime has written this run)")
-        return
+        return None
     try:
         lease = parse_lease(raw)
     except ValueError as exc:
         print(f"lease: unreadable ({exc}); whether a runtime writes this run is unknown")
-        return
+        return False
     if lease.released:
         print(f"lease: released by host {lease.host} when its run finished (no runtime is writing this run)")
-        return
+        return lease
     # Its time was written by that VM's clock: whether it lives shows by watching the lease's commits advance.
     print(f"lease: host {lease.host}, pid {lease.pid}, a heartbeat committed every {format_age(lease.heartbeat_s)}, "
           f"the last stamped {time.strftime('%H:%M:%S', time.localtime(lease.heartbeat))} by its clock (start_run "
           f"watches it advance before it takes a run over)")
+    return lease
 
 
 def _print_checkpoints(repo: HubRepo, folder: str, head: str, listing: dict) -> int | None:

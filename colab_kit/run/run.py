@@ -95,6 +95,7 @@ class Run:
         self.lost_to: str | None = None  # who took the run folder over, once the lease is lost
         self.session = None  # start_run(time_limit=...): the session's clock (`lifecycle/deadline.py`)
         self.session_stop, self.release_at_limit = None, False  # why training stopped for it, once it did
+        self.reporter = None  # the status page's gatherer (`report/reporter.py`), on the writing rank
         self._finished = False
         self._stores = weakref.WeakSet()  # from checkpoint_store(): finish() names a save they still write
         self._summary: dict | None = None

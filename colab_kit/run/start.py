@@ -40,6 +40,7 @@ from ..lifecycle.hubstart import hub_address, open_hub, replica_of
 from .startargs import check_settings
 from ..lifecycle.finish import close_run, close_unheld_runs
 from ..lifecycle.registry import TrainClock, open_runs, register, unregister
+from ..report.reporter import attach as attach_reporter
 from .run import Run
 from .summary import stopped_claiming, stopped_opening, summary
 
@@ -187,9 +188,11 @@ def start_run(name: str, *, drive: str | os.PathLike | None = None, local_dir: s
         print(stopped_opening(name, drive_dir, replaced), flush=True)
         raise
     run.session, run.release_at_limit = session, release_at_limit
+    run.reporter = attach_reporter(run)  # the status page and picture, with the lease's beats
     try:
         register(run)
         lease.start_heartbeat(run._lease_lost)
+        lease.beat_now()  # the first page now: what this runtime resumes, since when
         atexit.register(_finish_at_exit, weakref.ref(run))
     except BaseException as exc:  # as open_claimed does: nothing of the run is left running
         unregister(run)

@@ -20,6 +20,7 @@ from ..drive.cloud import cloud_files
 from ..drive.drivefs import DRIVEFS, UNCONFIRMED, describe_kind, folder_kind, in_cloud
 from ..drive.lease import lease_staleness, read_lease
 from ..hub.address import is_hub_address
+from ..report.state import state_lines
 
 __all__ = ["show_status", "headline"]
 
@@ -94,6 +95,7 @@ def show_status(run_dir: str, events: int, quick: bool) -> int:
         lease = False
         print(f"lease: unreadable ({getattr(exc, 'strerror', None) or exc}); whether a runtime writes this run "
               f"is unknown")
+    stale = None
     if lease is None:
         print("lease: none (no runtime is writing this run)")
     elif lease is not False:
@@ -104,6 +106,8 @@ def show_status(run_dir: str, events: int, quick: bool) -> int:
         else:  # another VM's clock wrote its time: whether it lives shows only by watching it change
             print(f"lease: host {lease.host}, pid {lease.pid}, a heartbeat every {format_age(lease.heartbeat_s)} "
                   f"(another VM: whether it lives shows by watching its heartbeat advance, as start_run does)")
+    journal = read_events(root / EVENTS)
+    print(*state_lines(lease, journal, stale), sep="\n")
     checkpoints = list_checkpoints(root / CHECKPOINTS)
     if (root / FINAL).is_dir():
         checkpoints.append((None, root / FINAL))
@@ -138,7 +142,6 @@ def show_status(run_dir: str, events: int, quick: bool) -> int:
     if checkpoints:
         print(f"resume would use: checkpoint-{newest_valid}" if newest_valid is not None
               else "resume would start fresh: no checkpoint verifies")
-    journal = read_events(root / EVENTS)
     if kind == DRIVEFS:
         print(f"newest in the cloud: checkpoint-{newest_cloud[0]}, saved {format_age(time.time() - newest_cloud[1])} ago"
               if newest_cloud else "newest in the cloud: none")

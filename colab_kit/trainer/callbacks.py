@@ -24,6 +24,7 @@ from ..errors import ColabKitError
 from ..lifecycle.best import restore_best, step_of
 from .disk import check_local_space
 from .savesettings import saves_at_epoch_end, strategy
+from .gaugescallback import GaugesCallback
 from .timelimit import TimeLimitWatch
 
 __all__ = ["SaveScheduleCallback", "DriveSyncCallback", "GaugesCallback", "bind", "rebind_output_dir"]
@@ -132,6 +133,8 @@ class SaveScheduleCallback(TrainerCallback):
         step = state.global_step
         self.run.stop_if_lease_lost(step)
         self.limit.step_ended()
+        if getattr(self.run, "reporter", None) is not None:  # the step the next heartbeat and status page carry
+            self.run.reporter.record_step(step, state.max_steps)
         button = getattr(self.run, "stop_button", None)
         if button is not None and button.requested:  # the stop button, pressed once: save this step, then pause
             control.should_training_stop = True
@@ -155,6 +158,10 @@ class SaveScheduleCallback(TrainerCallback):
             if due and self.run.session_stop is None:  # a follower: rank 0 saw it
                 self.run.session_stop = "rank 0 saw the session's limit near"
         return self.run.session_stop is not None
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "loss" in logs and getattr(self.run, "reporter", None) is not None:
+            self.run.reporter.record_loss(state.global_step, logs["loss"])
 
     def on_epoch_end(self, args, state, control, **kwargs):
         if self._at_epoch_end == state.global_step:  # the save left to this epoch end: made sure of, once
@@ -295,55 +302,9 @@ class DriveSyncCallback(TrainerCallback):
         self.run.last_saved_step, self.run.last_checkpoint_bytes = step, snapshot.bytes
         pause = time.perf_counter() - started
         self.run.journal.write("save", step=step, local=str(folder), snapshot_s=round(pause, 4))
+        if self.run.reporter is not None:
+            self.run.reporter.record_save(step)
         self.run.poll()
-
-
-class GaugesCallback(TrainerCallback):
-    """Live gauges while the Trainer runs; updated from the training loop, closed at the end."""
-
-    def __init__(self, run):
-        self.run = run
-        self.gauges = None
-
-    def _status(self) -> dict:
-        run = self.run
-        batching = run.micro_batching
-        backoffs = len(batching.train.backoffs) + len(batching.eval.backoffs) if batching is not None else 0
-        return {"saved_step": run.last_saved_step, "cloud": run.mirror.tracker.describe(),
-                "oom_backoffs": backoffs, "micro_batch": batching.train.micro_batch if batching else None,
-                "session": run.session.describe() if getattr(run, "session", None) is not None else None}
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        from ..gauges.gauges import Gauges
-
-        if self.gauges is not None and not self.gauges.closed:
-            return
-        run = self.run
-
-        def warn(message):  # from the sampler thread: journal it; the gauges show it
-            run.journal.write("warn", what="memory", message=message)
-
-        self.gauges = Gauges(total_steps=state.max_steps or None, title=f"run {run.name!r}",
-                             local_dir=run.local_dir, drive_dir=run.drive_dir,
-                             save_html=run.drive_dir / "gauges.html", on_warn=warn, write=run.mirror.write_later,
-                             all_gpus=run.ranks.local_world_size > 1)
-        self.gauges.update(step=state.global_step, **self._status())
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if self.gauges is not None:
-            self.gauges.update(step=state.global_step, **self._status())
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if self.gauges is not None and logs and "loss" in logs:
-            self.gauges.update(step=state.global_step, loss=logs["loss"])
-
-    def on_train_end(self, args, state, control, **kwargs):
-        self.close()
-
-    def close(self, error: str | None = None) -> None:
-        if self.gauges is not None and not self.gauges.closed:
-            self.gauges.update(**self._status())
-            self.gauges.close(error=error)
 
 
 KIT_CALLBACKS = (SaveScheduleCallback, DriveSyncCallback, GaugesCallback)

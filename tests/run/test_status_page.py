@@ -1,0 +1,120 @@
+"""The run folder explains itself (issue 49): `STATUS.md` and `status.png` beside the run's files, written with the
+lease's heartbeat, say the same state, step and newest checkpoint in the cloud as `python -m colab_kit status`,
+at every checkpoint confirmed and at the end, on the DriveFS emulator and on the emulated Hub; a run taken over
+is described by the runtime that holds it now.
+"""
+
+import re
+import time
+
+from transformers import TrainerCallback
+
+import colab_kit as ck
+from colab_kit.__main__ import main
+from colab_kit.report.card import card_rows
+from colab_kit.tasks.demo import tiny_trainer
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def said_by_page(text: str) -> dict:
+    state = re.search(r"^# Run `[^`]+`: (.+)$", text, re.M).group(1)
+    step = re.search(r"^\| step \| ([\d,]+)", text, re.M)
+    cloud = re.search(r"^\| newest in the cloud \| checkpoint-(\d+)", text, re.M)
+    return {"state": state, "step": int(step.group(1).replace(",", "")) if step else None,
+            "cloud": int(cloud.group(1)) if cloud else None}
+
+
+def said_by_status(capsys, where) -> dict:
+    assert main(["status", str(where), "--quick"] if not str(where).startswith("hf://") else ["status", str(where)]) == 0
+    out = capsys.readouterr().out
+    state = re.search(r"^state: (\w+(?: \([^)]*\))?)", out, re.M).group(1)
+    step = re.search(r"^step: (\d+)", out, re.M)
+    cloud = (re.search(r"^newest in the cloud: checkpoint-(\d+)", out, re.M)
+             or re.search(r"^resume would use: checkpoint-(\d+)", out, re.M))  # the Hub: the newest whole there
+    return {"state": state, "step": int(step.group(1)) if step else None, "cloud": int(cloud.group(1)) if cloud else None}
+
+
+def wait_until(predicate, timeout=30.0, what="the status page"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"{what} never said it within {timeout:.0f} s")
+
+
+class CompareAtEachCheckpoint(TrainerCallback):
+    """At each step after a checkpoint reached the cloud (training waits here, as a reader may look at any moment):
+    the page, once it says that checkpoint, and `status` must agree."""
+
+    def __init__(self, run, read_page, status_of):
+        self.run, self.read_page, self.status_of = run, read_page, status_of
+        self.compared, self.pictures = [], []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        time.sleep(0.1)  # a step of a real model's length: the cloud confirms while training goes on
+        cloud = self.run.cloud_step
+        if cloud is None or cloud in [c["cloud"] for c in self.compared]:
+            return
+        step = self.run.reporter.step  # the step the kit's callback (after this one) last recorded
+        page = wait_until(lambda: (p := self.read_page()) and said_by_page(p[0])["cloud"] == cloud and
+                          said_by_page(p[0])["step"] == step and p)
+        store = self.status_of()
+        assert said_by_page(page[0]) == store == {"state": "running", "step": step, "cloud": cloud}
+        self.compared.append(store)
+        self.pictures.append(page[1])
+
+
+def test_on_the_drivefs_emulator_the_page_says_what_status_says_at_each_checkpoint_and_at_the_end(
+        tmp_path, emulated_drive, capsys):
+    drive = emulated_drive(rate=4e6)
+    folder = drive.mountpoint / "page"
+    run = ck.start_run("page", drive=drive.mountpoint, local_dir=tmp_path / "vm", save_every=10, keep=2, quiet=True,
+                       gauges=False, heartbeat_s=1.0)
+
+    def read_page():
+        try:
+            return (folder / "STATUS.md").read_text(), (folder / "status.png").read_bytes()
+        except OSError:
+            return None
+
+    compare = CompareAtEachCheckpoint(run, read_page, lambda: said_by_status(capsys, folder))
+    trainer = tiny_trainer(run, max_steps=30, callbacks=[compare])
+    run.train(trainer)
+    run.finish(timeout=60)
+    assert [c["cloud"] for c in compare.compared] == [10, 20]
+    assert all(p.startswith(PNG) for p in compare.pictures) and compare.pictures[0] != compare.pictures[1]
+    page = read_page()[0]
+    assert said_by_page(page) == said_by_status(capsys, folder) == {"state": "finished", "step": 30, "cloud": 30}
+
+    # Another runtime opens the run: the page is its own now (running, no step trained yet).
+    again = ck.start_run("page", drive=drive.mountpoint, local_dir=tmp_path / "vm2", quiet=True, gauges=False,
+                         heartbeat_s=1.0)
+    try:
+        wait_until(lambda: (p := read_page()) and said_by_page(p[0])["state"] == "running")
+        assert said_by_status(capsys, folder)["state"] == "running"
+        assert "step" not in said_by_page(read_page()[0]) or said_by_page(read_page()[0])["step"] is None
+    finally:
+        again.finish(timeout=30)
+
+
+def test_on_the_emulated_hub_the_page_rides_the_heartbeat_and_the_card_lists_the_run(hub_env, tmp_path, capsys):
+    hub = hub_env
+    run = ck.start_run("st", store="hf://user/runs", local_dir=tmp_path / "vm" / "st", save_every=10, keep=3,
+                       gauges=False, quiet=True, heartbeat_s=2.0)
+
+    def read_page():
+        files = hub.state.files("user/runs")
+        page, picture = files.get("st/STATUS.md"), files.get("st/status.png")
+        return (page.decode(), picture) if page and picture else None
+
+    compare = CompareAtEachCheckpoint(run, read_page, lambda: said_by_status(capsys, "hf://user/runs/st"))
+    run.train(tiny_trainer(run, max_steps=20, callbacks=[compare]))
+    run.finish(timeout=60)
+    assert [c["cloud"] for c in compare.compared] == [10]
+    assert said_by_page(read_page()[0]) == said_by_status(capsys, "hf://user/runs/st") == {
+        "state": "finished", "step": 20, "cloud": 20}
+    card = hub.state.files("user/runs")["README.md"].decode()
+    assert "| finished | 20 | checkpoint-20 |" in card_rows(card)["st"]
