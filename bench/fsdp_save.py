@@ -194,13 +194,13 @@ def main() -> None:
         ranks_main(args)
         return
     sizes = []  # (width, rank 0's numbers) per width run
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     with tempfile.TemporaryDirectory(prefix="fsdp-save-") as tmp:
         for width in args.width:
             root = Path(tmp) / f"width-{width}"
             command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", __file__,
                        "--width", str(width), "--layers", str(args.layers), "--saves", str(args.saves),
                        "--steps-between", str(args.steps_between), "--root", str(root)]
-            env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
             code = subprocess.run(command, env=env).returncode
             if code:
                 sys.exit(code)

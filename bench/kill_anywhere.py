@@ -66,10 +66,10 @@ def main() -> int:
         if resumed is not None:  # killed after it started: check where it resumed from
             check = "ok" if resumed >= pending_before - job.save_every else "LOST >1 INTERVAL"
             violations += check != "ok"
-            behind = pending_before - resumed  # the steps of training the restart does again
+            checked_from = pending_before  # the last save the check measured from
             pending_before = None
         else:  # killed while fetching its checkpoint, before it started: the next start is checked
-            resumed, check, behind = "-", "later", None
+            resumed, check, checked_from = "-", "later", None
         if code == 0:
             # The chosen moment did not come before the end: start the job over from nothing.
             completed_runs += 1
@@ -80,7 +80,7 @@ def main() -> int:
         moments += 1
         wipe = rng.random() < 0.5
         rows.append((moments, what, "killed" if code == -signal.SIGKILL else f"exit {code}", before, resumed,
-                     check, "new VM" if wipe else "same VM", behind))  # behind: drawn, not printed
+                     check, "new VM" if wipe else "same VM", checked_from))  # checked_from: drawn, not printed
         if wipe:
             job.new_vm()
     code, text = job.run()
@@ -109,12 +109,12 @@ def draw(args, rows, save_every: int, crashes: int, violations: int, diff) -> No
     phases = [*PHASE_RANGE, "outside"]
     colours = dict(zip(phases, ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown",
                                 "tab:pink", "tab:gray")))
-    for number, what, _, before, resumed, _, _, behind in rows:
+    for number, what, _, before, resumed, _, _, checked in rows:
         colour = colours[what.split(":")[0].split(" ")[0]]
-        if behind is None:  # killed while fetching, before it started: the next restart is the one checked
+        if checked is None:  # killed while fetching, before it started: the next restart is the one checked
             ax.scatter(number, before, marker="x", color=colour, zorder=3)
             continue
-        checked = resumed + behind  # the last save the check measures from (before, or an earlier unchecked one)
+        # `checked`: the last save the check measures from (before, or an earlier unchecked one)
         ax.bar(number, min(save_every, checked), bottom=max(checked - save_every, 0), width=0.6, color="0.9",
                edgecolor="0.6")
         ax.scatter(number, resumed, color=colour, s=28, zorder=3)
@@ -136,6 +136,7 @@ def draw(args, rows, save_every: int, crashes: int, violations: int, diff) -> No
                  f"one interval behind;\nthe final weights against an uninterrupted run's: max |difference| = {diff}",
                  fontsize=10)
     figures.save(fig, args)
+
 
 if __name__ == "__main__":
     sys.exit(main())
