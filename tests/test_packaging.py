@@ -61,7 +61,7 @@ def test_public_api_is_exactly_the_exported_names():
         "start_run", "Run", "CheckpointStore", "drive_check", "is_oom_error", "free_memory", "MicroBatcher", "OutOfMemoryError",
         "Gauges", "plot_history", "memory_args", "preflight", "read_events", "detect_runtime", "in_colab", "in_kaggle", "in_notebook",
         "ColabKitError", "ColabKitWarning", "DriveError", "LeaseHeldError", "LeaseLostError", "ResumeMismatchError",
-        "CheckpointError", "RankFailedError", "DriveApi", "plan_memory", "MemoryPlan",
+        "CheckpointError", "RankFailedError", "TimeLimitReached", "DriveApi", "plan_memory", "MemoryPlan",
     }
     assert set(colab_kit.__all__) == expected
     import types

@@ -119,6 +119,10 @@ class OsFilesystem:
         if durable:
             self.fsync_dir(path.parent)
 
+    def overwrite_bytes(self, path, data: bytes) -> None:
+        with open(path, "wb") as fh:
+            self.chunk(fh, data)
+
     def copy_file(self, src, dst, durable: bool = True) -> str:
         dst = Path(dst)
         tmp = _tmp_name(dst)

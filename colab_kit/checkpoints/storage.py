@@ -40,6 +40,7 @@ __all__ = [
     "mount_of",
     "atomic_write_bytes",
     "atomic_write_json",
+    "overwrite_bytes",
     "copy_file",
     "append_line",
     "make_dirs",
@@ -178,6 +179,16 @@ def atomic_write_json(path: str | os.PathLike, obj, *, indent: int | None = 1) -
     """`atomic_write_bytes` of a JSON document (indented: people read these; `indent=None` for one that is
     rewritten every few seconds, which json encodes faster on one line)."""
     atomic_write_bytes(path, (json.dumps(obj, indent=indent, sort_keys=True) + "\n").encode())
+
+
+def overwrite_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write `data` into `path` in place (truncated first; made when missing), not through a renamed copy.
+
+    For a file that people read and that is rewritten every few minutes (the status page): on Drive a file
+    renamed over another sends the one it replaces to the Trash, which counts against the quota until it is
+    emptied, where a file written in place becomes a new revision of the same item. A reader may see it half
+    written; nothing the kit decides reads such a file."""
+    _fs.overwrite_bytes(path, data)
 
 
 def copy_file(src: str | os.PathLike, dst: str | os.PathLike, durable: bool = True) -> str:

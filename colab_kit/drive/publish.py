@@ -57,6 +57,7 @@ class Publisher:
         self.failures = 0  # consecutive failed attempts
         self.total_failures = 0
         self.unsynced_reason: str | None = None
+        self._blocking: Path | None = None  # what the try under way found (`write`)
         self.blocked_by: Path | None = None  # a folder of the same step that can be neither read whole nor replaced now
         self.folder_gone = False  # the run folder was missing at every look: training stops (`Run.stop_if_lease_lost`)
         self.in_flight: Upload | None = None  # the upload written last, on its way to the cloud
@@ -92,8 +93,17 @@ class Publisher:
         Raises:
             OSError: Drive trouble, or the lease not confirmed now (EAGAIN). SnapshotChanged.
         """
+        # Decided again at every try, and said only when the try ends: `finish` reads it from another thread, and a
+        # try that has begun to look has not yet decided (reset as it began, finish saw None and gave the wrong
+        # advice under load).
+        self._blocking = None
+        try:
+            return self._write(snap, lease_ok)
+        finally:
+            self.blocked_by = self._blocking
+
+    def _write(self, snap: Snapshot, lease_ok: Callable[[], bool | None]) -> Upload | None:
         started = clock.monotonic()
-        self.blocked_by = None  # decided again at every try
         manifest = snapshot_manifest(snap)
         target = checkpoint_dir(self.run_dir / CHECKPOINTS, snap.step)
         state = self._state(target, manifest)  # reads only (and may wait: looks spaced in time)
@@ -111,7 +121,7 @@ class Publisher:
             why = self._replace(target, snap, manifest)
             if why is not None:
                 if not validity.check(target, step=snap.step).valid:  # a doubt, or a proof still to come: retried
-                    self.blocked_by = target
+                    self._blocking = target
                     raise OSError(errno.EAGAIN, f"{target.name} holds files of another save that could not be "
                                                 f"replaced now ({why})")
                 self._kept_other(target, snap)  # a whole checkpoint of this step stays: this one is not uploaded
@@ -173,7 +183,7 @@ class Publisher:
         verdict = validity.check(target, step=manifest.step)
         if verdict.unknown and not verdict.absent:  # a torn read among them: look again later
             if not ours:
-                self.blocked_by = target  # another save's, unreadable: finish says what helps (`lifecycle/finish.py`)
+                self._blocking = target  # another save's, unreadable: finish says what helps (`lifecycle/finish.py`)
             raise OSError(errno.EIO, f"{target.name}: {verdict.reason}")
         if not ours:
             return "other"
@@ -242,7 +252,7 @@ class Publisher:
         self.written_step = snap.step
         if self.failures:
             self.notices.add(f"sync to {self.run_dir} works again; checkpoint-{snap.step} is written")
-        self.failures, self.unsynced_reason, self.blocked_by = 0, None, None
+        self.failures, self.unsynced_reason = 0, None
         self.journal.write("sync", step=snap.step, seconds=round(seconds, 3), bytes=manifest.total_bytes)
         log.info("checkpoint-%d written to %s (%s in %.1f s)", snap.step, self.run_dir,
                  format_bytes(manifest.total_bytes), seconds)

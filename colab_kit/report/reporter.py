@@ -5,13 +5,17 @@ The page goes with the lease's heartbeat, so that the page and `lease.json` say 
 moment (the lease carries the step; `python -m colab_kit status` reads it there):
 
 - on a folder (Drive), right after each beat, from the heartbeat's thread, through the gate: written only while
-  the lease is this runtime's (`gate.act`), atomically (a temporary file renamed over the page);
+  the lease is this runtime's (`gate.act`), in place (`storage.overwrite_bytes`): a file renamed over the old
+  page would send the old one to Drive's Trash, about 40 KB of picture each time, counted against the quota;
 - on the Hub, inside the heartbeat's own commit (no commit of its own), and the repository's card with it when
   a checkpoint reached the cloud;
 - a checkpoint confirmed in the cloud beats at once (one more lease write, or one more commit on the Hub), so the
   page says it within seconds; the release of the lease carries the run's last page.
 
-The picture is drawn again at most every `PICTURE_EVERY_S`, and whenever a checkpoint was saved or confirmed.
+The picture is drawn again every `PICTURE_EVERY_S`, and when a checkpoint reached the cloud (what a reader looks
+for in it), but not more often than every `PICTURE_MIN_S`: it costs about 0.2 s of a CPU core, which training on
+Colab's two cores shares. The last one is drawn as the run finishes. Nothing is drawn before there is something
+to show (a loss or a checkpoint in the cloud).
 """
 
 from __future__ import annotations
@@ -30,10 +34,11 @@ from .page import STATUS_PAGE, STATUS_PICTURE, PageFacts, render_page
 from .picture import Series, render_picture
 from .state import state_of
 
-__all__ = ["Reporter", "attach", "PICTURE_EVERY_S"]
+__all__ = ["Reporter", "attach", "PICTURE_EVERY_S", "PICTURE_MIN_S"]
 
 log = logging.getLogger(__name__)
 PICTURE_EVERY_S = 300.0
+PICTURE_MIN_S = 60.0
 _MEMORY_POINTS = 720  # a sample per beat: 6 h at 30 s
 _RATE_WINDOW_S = 300.0
 
@@ -64,8 +69,7 @@ class Reporter:
 
     def record_save(self, step: int) -> None:
         with self._lock:
-            self.series.saves[step] = time.time()
-            self._picture_stale = True
+            self.series.saves[step] = time.time()  # drawn with the next picture
 
     def confirmed(self, upload) -> None:
         """The tracker's hook: `upload` is in the cloud. The page says so at the next beat, which comes now."""
@@ -130,9 +134,12 @@ class Reporter:
     def _draw(self, now: float) -> bytes | None:
         """The picture when it is due (None: the one written last still holds)."""
         self._sample_memory(now)
-        if not (self._picture_stale or self._closing or now - self._picture_at >= PICTURE_EVERY_S):
+        since = now - self._picture_at
+        if not (self._closing is not None or since >= PICTURE_EVERY_S or self._picture_stale and since >= PICTURE_MIN_S):
             return None
         with self._lock:
+            if not (self.series.losses or self.series.clouds):
+                return None
             snapshot = Series(list(self.series.losses), list(self.series.memory), dict(self.series.saves),
                               dict(self.series.clouds))
             self._picture_stale = False
@@ -184,7 +191,7 @@ class Reporter:
         for name, data in files.items():
             act(f"write the status {'page' if name == STATUS_PAGE else 'picture'}", name,
                 [lambda: None if lease.check() is True else "the lease is not confirmed as this runtime's now"],
-                lambda: storage.atomic_write_bytes(self.run.drive_dir / name, data, durable=False))
+                lambda: storage.overwrite_bytes(self.run.drive_dir / name, data))  # in place: no Trash
 
     def hub_files(self, step: int | None, updated: float) -> dict[str, bytes]:
         """For a commit of the Hub's lease: the page, the picture, and the repository's card when it is due,

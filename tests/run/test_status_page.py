@@ -6,7 +6,9 @@ is described by the runtime that holds it now.
 
 import re
 import time
+from types import SimpleNamespace
 
+import pytest
 from transformers import TrainerCallback
 
 import colab_kit as ck
@@ -15,6 +17,14 @@ from colab_kit.report.card import card_rows
 from colab_kit.tasks.demo import tiny_trainer
 
 PNG = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture
+def every_confirmation_drawn(monkeypatch):
+    """The picture drawn at each checkpoint confirmed (a run drawing at most once a minute is tested below)."""
+    from colab_kit.report import reporter
+
+    monkeypatch.setattr(reporter, "PICTURE_MIN_S", 0.0)
 
 
 def said_by_page(text: str) -> dict:
@@ -68,7 +78,7 @@ class CompareAtEachCheckpoint(TrainerCallback):
 
 
 def test_on_the_drivefs_emulator_the_page_says_what_status_says_at_each_checkpoint_and_at_the_end(
-        tmp_path, emulated_drive, capsys):
+        tmp_path, emulated_drive, capsys, every_confirmation_drawn):
     drive = emulated_drive(rate=4e6)
     folder = drive.mountpoint / "page"
     run = ck.start_run("page", drive=drive.mountpoint, local_dir=tmp_path / "vm", save_every=10, keep=2, quiet=True,
@@ -100,7 +110,8 @@ def test_on_the_drivefs_emulator_the_page_says_what_status_says_at_each_checkpoi
         again.finish(timeout=30)
 
 
-def test_on_the_emulated_hub_the_page_rides_the_heartbeat_and_the_card_lists_the_run(hub_env, tmp_path, capsys):
+def test_on_the_emulated_hub_the_page_rides_the_heartbeat_and_the_card_lists_the_run(hub_env, tmp_path, capsys,
+                                                                                     every_confirmation_drawn):
     hub = hub_env
     run = ck.start_run("st", store="hf://user/runs", local_dir=tmp_path / "vm" / "st", save_every=10, keep=3,
                        gauges=False, quiet=True, heartbeat_s=2.0)
@@ -118,3 +129,25 @@ def test_on_the_emulated_hub_the_page_rides_the_heartbeat_and_the_card_lists_the
         "state": "finished", "step": 20, "cloud": 20}
     card = hub.state.files("user/runs")["README.md"].decode()
     assert "| finished | 20 | checkpoint-20 |" in card_rows(card)["st"]
+
+
+def test_the_picture_is_drawn_when_there_is_something_new_at_most_once_a_minute_and_at_the_end():
+    """A picture costs about 0.2 s of a CPU core that training shares: none before there is something to show, one
+    when a checkpoint reached the cloud but not twice in a minute, one every five minutes, and the last at the end."""
+    from colab_kit.report.reporter import PICTURE_EVERY_S, PICTURE_MIN_S, Reporter
+
+    reporter = Reporter(SimpleNamespace(name="cadence", lease=SimpleNamespace(beat_now=lambda: None)))
+    now = 1_000_000.0
+    assert reporter._draw(now) is None  # nothing to show yet
+    reporter.record_loss(1, 0.7)
+    reporter.confirmed(SimpleNamespace(step=10, confirmed_at=now, saved=now - 5))
+    first = reporter._draw(now)
+    assert first.startswith(PNG)
+    reporter.confirmed(SimpleNamespace(step=20, confirmed_at=now + 10, saved=now + 5))
+    assert reporter._draw(now + 10) is None  # a second checkpoint within the minute waits
+    assert reporter._draw(now + PICTURE_MIN_S).startswith(PNG)  # then it is drawn
+    reporter.record_loss(2, 0.6)
+    assert reporter._draw(now + PICTURE_MIN_S + 30) is None  # a loss alone waits for the five minutes
+    assert reporter._draw(now + PICTURE_MIN_S + PICTURE_EVERY_S).startswith(PNG)
+    reporter.closing("completed")
+    assert reporter._draw(now + PICTURE_MIN_S + PICTURE_EVERY_S + 1).startswith(PNG)  # the run's last picture

@@ -231,6 +231,9 @@ class MemFs:
         drive, path = self._where(path)
         self._dwrite("write", path, bytes(data)) if drive else self._lwrite(path, bytes(data))
 
+    def overwrite_bytes(self, path, data: bytes) -> None:
+        self.atomic_write_bytes(path, data)  # a whole write either way here: the in-memory Drive has no Trash
+
     def copy_file(self, src, dst, durable: bool = True) -> str:
         data = self.read_bytes(src)
         drive, dst = self._where(dst)
