@@ -28,9 +28,12 @@ def render_picture(series: Series, title: str, now: float | None = None) -> byte
     from matplotlib.figure import Figure
 
     now = time.time() if now is None else now
-    fig = Figure(figsize=(7.0, 6.0), layout="constrained")
+    # Fixed margins, not a constrained layout: that layout solve is half the cost of a picture (0.17 s of a core
+    # against 0.08 s measured), and the three panels' labels are known.
+    fig = Figure(figsize=(7.0, 6.0))
     FigureCanvasAgg(fig)
     loss_ax, memory_ax, saves_ax = fig.subplots(3, 1)
+    fig.subplots_adjust(left=0.19, right=0.97, top=0.92, bottom=0.08, hspace=0.65)
     fig.suptitle(f"{title} · {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(now))}", fontsize=10)
     _loss(loss_ax, series.losses)
     _memory(memory_ax, series.memory, now)

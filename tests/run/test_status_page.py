@@ -5,7 +5,10 @@ is described by the runtime that holds it now.
 """
 
 import re
+import signal
+import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -14,7 +17,12 @@ from transformers import TrainerCallback
 import colab_kit as ck
 from colab_kit.__main__ import main
 from colab_kit.report.card import card_rows
+from colab_kit.drive.lease import read_lease
+from colab_kit.report.page import utc
 from colab_kit.tasks.demo import tiny_trainer
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
+import harness  # noqa: E402
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -33,6 +41,10 @@ def said_by_page(text: str) -> dict:
     cloud = re.search(r"^\| newest in the cloud \| checkpoint-(\d+)", text, re.M)
     return {"state": state, "step": int(step.group(1).replace(",", "")) if step else None,
             "cloud": int(cloud.group(1)) if cloud else None}
+
+
+def updated_on_page(text: str) -> str:
+    return re.search(r"^\| updated \| ([^,]+ UTC)", text, re.M).group(1)
 
 
 def said_by_status(capsys, where) -> dict:
@@ -110,6 +122,64 @@ def test_on_the_drivefs_emulator_the_page_says_what_status_says_at_each_checkpoi
         again.finish(timeout=30)
 
 
+def stop_between_beats(proc, folder: Path, timeout: float = 30.0) -> None:
+    """SIGSTOP the job at a moment when its page and its lease went out with the same beat (the lease is written
+    first, then the page, so a stop between the two finds the page a beat behind: then let it run a little more).
+    The test then kills it there, as a runtime cut between two beats."""
+    deadline = time.monotonic() + timeout
+    while True:
+        proc.send_signal(signal.SIGSTOP)
+        try:
+            if updated_on_page((folder / "STATUS.md").read_text()) == utc(read_lease(folder).heartbeat):
+                return
+        except (OSError, AttributeError, ValueError):  # a page being written in place: look again
+            pass
+        proc.send_signal(signal.SIGCONT)
+        assert time.monotonic() < deadline, "the page never caught up with the lease"
+        time.sleep(0.05)
+
+
+@pytest.mark.slow(40)
+def test_a_killed_run_leaves_a_page_that_agrees_with_status_and_says_its_time_stopped(tmp_path, emulated_drive,
+                                                                                      capsys):
+    """A runtime killed (SIGKILL: no finish, no release) cannot write again: its last page and `status` agree on
+    the state, the step and the newest checkpoint in the cloud, and the page's time, older than four beats, says
+    that the runtime stopped (`status` says `running (but ...)`). A new runtime that takes the run over writes its
+    own page."""
+    drive = emulated_drive(rate=4e6)
+    job = harness.Job(tmp_path, steps=400, save_every=10, step_sleep=0.1, drive_root=drive.mountpoint, name="killed",
+                      extra=["--heartbeat", "1"])
+    folder = job.run_dir
+    proc = job.start()
+    try:
+        wait_until(lambda: (folder / "STATUS.md").exists() and (said_by_page((folder / "STATUS.md").read_text())
+                                                                ["cloud"] or 0) >= 20, timeout=120)
+        stop_between_beats(proc, folder)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.send_signal(signal.SIGCONT)
+        proc.communicate(timeout=60)
+    page = (folder / "STATUS.md").read_text()
+    said = said_by_page(page)
+    assert said["state"] == "running" and said["cloud"] >= 20 and said["step"] >= said["cloud"], said
+    assert "a time older than 4 s means its runtime stopped without finishing" in page
+    # The page and the store agree on the step and the checkpoint; `status` also sees that the runtime is gone
+    # (its process has ended, on this host), as the page's time tells a reader elsewhere. Nothing writes the page.
+    status = said_by_status(capsys, folder)
+    assert status["step"] == said["step"] and status["cloud"] == said["cloud"], (status, said)
+    assert status["state"].startswith("running (but "), status
+    time.sleep(3)
+    assert (folder / "STATUS.md").read_text() == page
+
+    # Another runtime (a new VM) takes the run over: its page is its own, and it finishes the run.
+    again = ck.start_run("killed", drive=drive.mountpoint, local_dir=tmp_path / "vm2", quiet=True, gauges=False,
+                         heartbeat_s=1.0)
+    assert again.resume_manifest.step == said["cloud"]
+    again.finish(timeout=60)
+    assert said_by_page((folder / "STATUS.md").read_text()) == said_by_status(capsys, folder) == {
+        "state": "finished", "step": None, "cloud": said["cloud"]}
+
+
 def test_on_the_emulated_hub_the_page_rides_the_heartbeat_and_the_card_lists_the_run(hub_env, tmp_path, capsys,
                                                                                      every_confirmation_drawn):
     hub = hub_env
@@ -132,22 +202,24 @@ def test_on_the_emulated_hub_the_page_rides_the_heartbeat_and_the_card_lists_the
 
 
 def test_the_picture_is_drawn_when_there_is_something_new_at_most_once_a_minute_and_at_the_end():
-    """A picture costs about 0.2 s of a CPU core that training shares: none before there is something to show, one
-    when a checkpoint reached the cloud but not twice in a minute, one every five minutes, and the last at the end."""
+    """A picture costs about 0.1 s of a CPU core that training shares: none before there is something to show, none
+    in the run's first minute, one when a checkpoint reached the cloud but not twice in a minute, one every five
+    minutes, and the last at the end."""
     from colab_kit.report.reporter import PICTURE_EVERY_S, PICTURE_MIN_S, Reporter
 
     reporter = Reporter(SimpleNamespace(name="cadence", lease=SimpleNamespace(beat_now=lambda: None)))
     now = 1_000_000.0
-    assert reporter._draw(now) is None  # nothing to show yet
+    assert reporter._draw(now) is None  # nothing to show yet (the first beat)
     reporter.record_loss(1, 0.7)
-    reporter.confirmed(SimpleNamespace(step=10, confirmed_at=now, saved=now - 5))
-    first = reporter._draw(now)
+    reporter.confirmed(SimpleNamespace(step=10, confirmed_at=now + 5, saved=now))
+    assert reporter._draw(now + 5) is None  # within the run's first minute: a short run draws only at its end
+    first = reporter._draw(now + PICTURE_MIN_S)
     assert first.startswith(PNG)
-    reporter.confirmed(SimpleNamespace(step=20, confirmed_at=now + 10, saved=now + 5))
-    assert reporter._draw(now + 10) is None  # a second checkpoint within the minute waits
-    assert reporter._draw(now + PICTURE_MIN_S).startswith(PNG)  # then it is drawn
+    reporter.confirmed(SimpleNamespace(step=20, confirmed_at=now + PICTURE_MIN_S + 10, saved=now + PICTURE_MIN_S + 5))
+    assert reporter._draw(now + PICTURE_MIN_S + 10) is None  # a second checkpoint within the minute waits
+    assert reporter._draw(now + 2 * PICTURE_MIN_S).startswith(PNG)  # then it is drawn
     reporter.record_loss(2, 0.6)
-    assert reporter._draw(now + PICTURE_MIN_S + 30) is None  # a loss alone waits for the five minutes
-    assert reporter._draw(now + PICTURE_MIN_S + PICTURE_EVERY_S).startswith(PNG)
+    assert reporter._draw(now + 2 * PICTURE_MIN_S + 30) is None  # a loss alone waits for the five minutes
+    assert reporter._draw(now + 2 * PICTURE_MIN_S + PICTURE_EVERY_S).startswith(PNG)
     reporter.closing("completed")
-    assert reporter._draw(now + PICTURE_MIN_S + PICTURE_EVERY_S + 1).startswith(PNG)  # the run's last picture
+    assert reporter._draw(now + 2 * PICTURE_MIN_S + PICTURE_EVERY_S + 1).startswith(PNG)  # the run's last picture

@@ -10,7 +10,8 @@ import pytest
 from transformers import TrainerCallback
 
 import colab_kit as ck
-from colab_kit.checkpoints.journal import read_events
+from colab_kit.checkpoints.journal import parse_events, read_events
+from colab_kit.checkpoints.leasefile import parse_lease
 from colab_kit.checkpoints.manifest import read_manifest
 from colab_kit.drive.lease import read_lease
 from colab_kit.lifecycle import deadline
@@ -46,12 +47,12 @@ def test_a_run_ends_before_its_limit_with_its_last_checkpoint_in_the_cloud_and_r
     drive = emulated_drive(rate=3e5)  # a slow Drive: a 1 MB checkpoint takes ~3 s to reach the cloud
     started = time.time()
     run = ck.start_run("limited", drive=drive.mountpoint, local_dir=tmp_path / "vm1", save_every="5s", keep=2,
-                       quiet=True, gauges=False, time_limit="45s")
+                       quiet=True, gauges=False, time_limit="30s")
     trainer, said = _train_until_the_limit(run)
     ended = time.time()
     step = trainer.state.global_step
 
-    assert ended < started + 45, f"the run ended {ended - started:.1f} s after start_run: past its limit"
+    assert ended < started + 30, f"the run ended {ended - started:.1f} s after start_run: past its limit"
     assert 0 < step < 100_000
     cloud = drive.cloud / "limited"
     assert read_manifest(cloud / "checkpoints" / f"checkpoint-{step}").step == step  # the very last step
@@ -86,15 +87,34 @@ def test_the_wind_down_is_measured_so_a_slower_drive_stops_training_earlier(tmp_
 
 def test_a_plain_folder_run_under_a_limit_finishes_and_says_what_was_left(tmp_path, drive, capsys):
     run = ck.start_run("plain", drive=drive, local_dir=tmp_path / "vm", save_every=20, quiet=True, gauges=False,
-                       time_limit="30s")
+                       time_limit="15s")
     trainer, said = _train_until_the_limit(run)
     step = trainer.state.global_step
     assert read_manifest(drive / "plain" / "checkpoints" / f"checkpoint-{step}").step == step
     assert "Run all continues from there" in said
     out = capsys.readouterr().out
-    assert "the session's limit is near" in out and "were left of the session (time_limit='30s')" in out
+    assert "the session's limit is near" in out and "were left of the session (time_limit='15s')" in out
     with pytest.raises(ck.ColabKitError, match="is finished"):
         run.train(trainer)  # finished: a new start_run continues
+
+
+def test_on_the_hub_the_run_ends_before_its_limit_with_its_last_checkpoint_committed(tmp_path, hub_env):
+    """The same clock on the Hub: the wind-down waits for the commit that holds the last checkpoint, and the
+    release of the lease (the finish's last commit) comes before the limit."""
+    from hub_checks import head_files, hub_checkpoints
+
+    started = time.time()
+    run = ck.start_run("limited", store="hf://user/runs", local_dir=tmp_path / "vm" / "limited", save_every="4s",
+                       keep=2, quiet=True, gauges=False, time_limit="25s")
+    trainer, said = _train_until_the_limit(run)
+    assert time.time() < started + 25
+    step = trainer.state.global_step
+    assert step in hub_checkpoints(hub_env, "limited")  # whole on the Hub: every file by its sha256
+    files = head_files(hub_env)
+    finish = [e for e in parse_events(files["limited/events.jsonl"].content) if e["event"] == "finish"][-1]
+    assert finish["status"] == "time limit" and finish["in_cloud"] is True and finish["cloud_step"] == step
+    assert parse_lease(files["limited/lease.json"].content).released
+    assert f"checkpoint-{step} is in the cloud" in said
 
 
 def test_time_limits_are_read_as_durations_and_bad_ones_are_refused_before_anything_starts(drive):

@@ -27,6 +27,8 @@ _context = None
 def preload() -> None:
     """What every job imports, once, in the forkserver (nothing is run: no thread, no tensor)."""
     import datasets  # noqa: F401
+    import matplotlib.backends.backend_agg  # noqa: F401 - the run's status picture (colab_kit/report/picture.py)
+    import matplotlib.figure  # noqa: F401
     import ddp_job  # noqa: F401
     import plain_loop_job  # noqa: F401
     import ranks_job  # noqa: F401

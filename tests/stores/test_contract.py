@@ -8,6 +8,7 @@ its promise only on the VM fails here. The Hub's own faults (commits slower than
 """
 
 import json
+import re
 
 import pytest
 
@@ -108,3 +109,11 @@ def test_finished_means_everything_is_in_the_store_and_the_lease_released(store,
     said = said.out + said.err
     assert code == 0, said
     assert "resume would use: checkpoint-10" in said and "released" in said, said
+
+    # The run folder explains itself to a person (clause 9): the last page the runtime wrote says the same.
+    files = store.files("done")
+    page = files["STATUS.md"].decode()
+    assert page.startswith("# Run `done`: finished\n") and re.search(r"^\| step \| 10\b", page, re.M), page
+    cloud = "checkpoint-10, saved" if store.proof is not False else "none yet"  # no proof, no claim
+    assert f"| newest in the cloud | {cloud}" in page, page
+    assert files["status.png"].startswith(b"\x89PNG\r\n\x1a\n")
