@@ -4,6 +4,7 @@ from there. The limits are scaled down to seconds; each step is made to take a k
 sleeps), as a real model's steps do.
 """
 
+import os
 import time
 
 import pytest
@@ -68,6 +69,9 @@ def test_a_run_ends_before_its_limit_with_its_last_checkpoint_in_the_cloud_and_r
     again.finish(timeout=30)
 
 
+@pytest.mark.skipif(not os.environ.get("COLAB_KIT_FULL_E2E"), reason=(
+    "two 40 s runs side by side, about 70 s: .ci/run runs it in every run (COLAB_KIT_FULL_E2E=1), beside the "
+    "faulty-Drive runs; the test command runs the slow Drive's limit in the test above"))
 def test_the_wind_down_is_measured_so_a_slower_drive_stops_training_earlier(tmp_path, emulated_drive):
     """The same limit on a Drive ten times slower: training stops earlier (the upload it waits for is
     longer), and still ends before the limit with its last checkpoint in the cloud."""
