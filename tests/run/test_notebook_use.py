@@ -36,7 +36,14 @@ class Interrupt(TrainerCallback):
 
 def start(drive, local, name="nb", **kw):
     kw.setdefault("save_every", 10)
-    return ck.start_run(name, drive=drive, local_dir=local / name, gauges=False, quiet=True, **kw)
+    run = ck.start_run(name, drive=drive, local_dir=local / name, gauges=False, quiet=True, **kw)
+    # start_run's first beat (the first status page) runs in the heartbeat's thread: wait for it, so that a test
+    # that then writes another runtime's lease does not race it (a beat that read our lease before that write
+    # would rename ours over it, as any two writers of one Drive file can).
+    deadline = time.monotonic() + 10
+    while not (run.drive_dir / "STATUS.md").exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return run
 
 
 def drive_steps(run) -> list[int]:
@@ -311,7 +318,14 @@ def test_finding_6_a_deleted_run_folder_is_named_and_the_start_run_cell_goes_on(
     model = torch.nn.Linear(2, 2)
     store.save(10, model=model)
     assert run.mirror.drain(timeout=10) and drive_steps(run) == [10]
-    shutil.rmtree(run.drive_dir)  # deleted in Drive's web page, say
+    # Deleted in Drive's web page, say. The lease's heartbeat may write its temporary file meanwhile (the
+    # checkpoint's confirmation beats at once): delete again until the folder is gone, as a person would.
+    for _ in range(50):
+        shutil.rmtree(run.drive_dir, ignore_errors=True)
+        if not run.drive_dir.exists():
+            break
+        time.sleep(0.02)
+    assert not run.drive_dir.exists()
     store.save(20, model=model)
     deadline = time.monotonic() + 10
     while run.mirror.publisher.failures == 0 and time.monotonic() < deadline:

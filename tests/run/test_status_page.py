@@ -152,8 +152,13 @@ def test_a_killed_run_leaves_a_page_that_agrees_with_status_and_says_its_time_st
     folder = job.run_dir
     proc = job.start()
     try:
-        wait_until(lambda: (folder / "STATUS.md").exists() and (said_by_page((folder / "STATUS.md").read_text())
-                                                                ["cloud"] or 0) >= 20, timeout=120)
+        def cloud_on_page() -> int:
+            try:
+                return said_by_page((folder / "STATUS.md").read_text())["cloud"] or 0
+            except (OSError, AttributeError):  # none yet, or read while it is written in place
+                return 0
+
+        wait_until(lambda: cloud_on_page() >= 20, timeout=120)
         stop_between_beats(proc, folder)
     finally:
         proc.send_signal(signal.SIGKILL)
