@@ -10,6 +10,7 @@ asks the Hub: the replica may hold what the Hub never got, or lack what another 
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import time
 from pathlib import Path
@@ -17,7 +18,7 @@ from pathlib import Path
 from .._units import format_age, format_bytes
 from ..checkpoints.checkpoint import CHECKPOINTS, FINAL, step_of
 from ..checkpoints.journal import EVENTS, parse_events
-from ..checkpoints.leasefile import LEASE, parse_lease
+from ..checkpoints.leasefile import LEASE, lease_staleness, parse_lease
 from ..checkpoints.manifest import MANIFEST, parse_manifest
 from ..hub.address import HubAddress
 from ..hub.repo import HubRepo, HubUnavailable
@@ -77,7 +78,8 @@ def _show(address: HubAddress, events: int) -> int:
     lease = _print_lease(repo.read(f"{folder}/{LEASE}", revision=head))
     raw = repo.read(f"{folder}/{EVENTS}", revision=head)
     journal = parse_events(raw) if raw else []
-    print(*state_lines(lease, journal), sep="\n")
+    # As on Drive: a lease of this host's is judged by its process; another host's only by watching it advance.
+    print(*state_lines(lease, journal, lease_staleness(lease) if lease else None), sep="\n")
     newest = _print_checkpoints(repo, folder, head, listing)
     print(f"resume would use: checkpoint-{newest}" if newest is not None
           else "resume would start fresh: no checkpoint is whole on the Hub")
@@ -112,6 +114,11 @@ def _print_lease(raw: bytes | None):
         return False
     if lease.released:
         print(f"lease: released by host {lease.host} when its run finished (no runtime is writing this run)")
+        return lease
+    if lease.host == socket.gethostname():  # this host's clock wrote its time, and its process can be asked after
+        stale = lease_staleness(lease)
+        print(f"lease: host {lease.host}, pid {lease.pid}, heartbeat committed {format_age(time.time() - lease.heartbeat)} "
+              f"ago ({f'stale: {stale}' if stale else 'live'})")
         return lease
     # Its time was written by that VM's clock: whether it lives shows by watching the lease's commits advance.
     print(f"lease: host {lease.host}, pid {lease.pid}, a heartbeat committed every {format_age(lease.heartbeat_s)}, "

@@ -55,7 +55,7 @@ class Reporter:
         self._beats: deque = deque(maxlen=64)  # (time, step) at each beat, for the rate
         self._lock = threading.Lock()
         self._picture: bytes | None = None
-        self._picture_at = float("-inf")
+        self._picture_at: float | None = None  # the first look (the first beat)
         self._picture_stale = True
         self._card_due = True
         self._closing: str | None = None  # the finish's status, once the run finishes
@@ -135,7 +135,7 @@ class Reporter:
     def _draw(self, now: float) -> bytes | None:
         """The picture when it is due (None: the one written last still holds)."""
         self._sample_memory(now)
-        if self._picture_at == float("-inf"):
+        if self._picture_at is None:
             self._picture_at = now  # the first look: a run shorter than PICTURE_MIN_S draws once, at its end
         since = now - self._picture_at
         if not (self._closing is not None or since >= PICTURE_EVERY_S or self._picture_stale and since >= PICTURE_MIN_S):

@@ -23,6 +23,7 @@ from colab_kit.tasks.demo import tiny_trainer
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
 import harness  # noqa: E402
+from hub_state import HubError  # noqa: E402
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -204,6 +205,66 @@ def test_on_the_emulated_hub_the_page_rides_the_heartbeat_and_the_card_lists_the
         "state": "finished", "step": 20, "cloud": 20}
     card = hub.state.files("user/runs")["README.md"].decode()
     assert "| finished | 20 | checkpoint-20 |" in card_rows(card)["st"]
+
+
+@pytest.mark.slow(40)
+def test_on_the_hub_a_killed_run_leaves_a_page_that_agrees_with_status_and_a_takeover_writes_its_own(
+        hub_env, tmp_path, capsys):
+    """On the Hub the page rides the lease's own commit, so a runtime killed (SIGKILL) leaves a page and a lease
+    of the same beat: the page and `status` agree on the step and the newest checkpoint whole on the Hub, once no
+    checkpoint's commit came after that beat's. A new runtime takes the run over (the old process is gone), resumes
+    from that checkpoint, and the page is its own: finished, as `status` and the repository's card say."""
+    hub = hub_env
+    where = "hf://user/runs/hkilled"
+    job = harness.Job(tmp_path / "first", steps=400, save_every=10, step_sleep=0.1, drive_root="hf://user/runs",
+                      name="hkilled", extra=["--heartbeat", "1"])
+
+    def page() -> str | None:
+        try:
+            data = hub.state.files("user/runs").get("hkilled/STATUS.md")
+        except HubError:  # the job has not created the repository yet
+            return None
+        return data.decode() if data else None
+
+    proc = job.start()
+    job_pid = proc.pid
+    try:
+        wait_until(lambda: (p := page()) and (said_by_page(p)["cloud"] or 0) >= 10, timeout=120)
+        # Stopped at a moment when no checkpoint's commit came after the page's beat (a checkpoint committed and
+        # verified is confirmed with a beat of its own, a moment later): then killed there.
+        deadline = time.monotonic() + 30
+        while True:
+            proc.send_signal(signal.SIGSTOP)
+            said, status = said_by_page(page()), said_by_status(capsys, where)
+            if said["cloud"] == status["cloud"]:
+                break
+            proc.send_signal(signal.SIGCONT)
+            assert time.monotonic() < deadline, (said, status)
+            time.sleep(0.2)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.send_signal(signal.SIGCONT)
+        text, _ = proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL, text[-2000:]
+    last = page()
+    said = said_by_page(last)
+    assert said["state"] == "running" and said["cloud"] >= 10 and said["step"] >= said["cloud"], said
+    assert "a time older than 4 s means its runtime stopped without finishing" in last
+    status = said_by_status(capsys, where)
+    assert status["step"] == said["step"] and status["cloud"] == said["cloud"], (status, said)
+    assert status["state"] == f"running (but its process {job_pid} on this host has ended)", status
+    time.sleep(3)
+    assert page() == last  # nothing writes the page of a runtime that is gone
+
+    again = ck.start_run("hkilled", store="hf://user/runs", local_dir=tmp_path / "vm2" / "hkilled", quiet=True,
+                         gauges=False, heartbeat_s=1.0)
+    assert again.resume_manifest.step == said["cloud"]
+    wait_until(lambda: (p := page()) and p != last and said_by_page(p)["state"] == "running")
+    again.finish(timeout=60)
+    assert said_by_page(page()) == said_by_status(capsys, where) == {"state": "finished", "step": None,
+                                                                     "cloud": said["cloud"]}
+    card = hub.state.files("user/runs")["README.md"].decode()
+    assert f"| finished | - | checkpoint-{said['cloud']} |" in card_rows(card)["hkilled"]
 
 
 def test_the_picture_is_drawn_when_there_is_something_new_at_most_once_a_minute_and_at_the_end():
