@@ -15,12 +15,14 @@ import json
 import logging
 import os
 import re
+import time
 from pathlib import Path
 
 from . import storage, validity
+from .clock import clock
 from .manifest import MANIFEST, Manifest, read_manifest, write_manifest
 
-__all__ = ["CHECKPOINTS", "ARCHIVE", "FINAL", "KIT_STATE", "checkpoint_dir", "list_checkpoints", "publish_folder",
+__all__ = ["CHECKPOINTS", "ARCHIVE", "FINAL", "KIT_STATE", "checkpoint_dir", "list_checkpoints", "publish_folder", "aside_path",
            "repair_folder", "model_signature", "step_of", "TRAINER_STATE", "trainer_state", "recorded_best"]
 
 CHECKPOINTS = "checkpoints"
@@ -139,3 +141,20 @@ def model_signature(model) -> dict:
     for p in model.parameters():
         n_params += p.numel()
     return {"model": digest.hexdigest()[:16], "parameters": int(n_params)}
+
+
+def aside_path(parent: Path, name: str, runtime: str | None = None) -> Path:
+    """Where a folder `name` is moved aside into `parent`: `<name>-<UTC time>[-<runtime>]`, a name `parent` does
+    not hold, so that nothing is ever moved onto another folder (merged with it, or refused half-way).
+
+    The one home of the names of folders moved aside: a fresh start's checkpoints and a replaced export in a run's
+    `archive/`, a local checkpoint set aside. The time alone is not enough: two moves can fall in one second, and
+    on the Hub another runtime's `archive/` may hold the name without this replica showing it (archive/ is never
+    fetched), so there `runtime` (the lease's session) tells runtimes apart. The time is the kit's clock."""
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(clock.time()))
+    base = f"{name}-{stamp}" + (f"-{runtime}" if runtime else "")
+    aside, again = parent / base, 1
+    while storage.exists(aside):
+        again += 1
+        aside = parent / f"{base}-{again}"
+    return aside

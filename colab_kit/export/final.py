@@ -15,7 +15,6 @@ from __future__ import annotations
 import errno
 import json
 import shutil
-import time
 import uuid
 from pathlib import Path
 
@@ -23,12 +22,13 @@ from .._notices import no_shard_bars
 from .._units import format_bytes
 from ..checkpoints import storage, validity
 from ..checkpoints.clock import clock
-from ..checkpoints.checkpoint import ARCHIVE, FINAL, publish_folder
+from ..checkpoints.checkpoint import FINAL, publish_folder
 from ..checkpoints.manifest import Manifest, hash_folder
 from ..drive.cloud import upload_for
 from ..drive.drivefs import HUB
 from ..drive.gate import act
 from ..errors import ColabKitError, DriveError
+from ..lifecycle.fresh import archive_path
 from ..lifecycle.hubstart import PullProgress
 
 _STAGING = f".{FINAL}.new-"  # a new export, written beside final/ until it verifies
@@ -160,7 +160,7 @@ def _swap_in(run, staging: Path, target: Path, manifest: Manifest) -> Path | Non
         leftovers = [e.path for e in storage.list_dir(run.drive_dir)
                      if e.name.startswith(_STAGING) and e.path != str(staging)]
         for old in ([target] if storage.exists(target) else []) + [Path(p) for p in leftovers]:
-            aside = _archive_name(run, old.name.lstrip("."))
+            aside = archive_path(run, old.name.lstrip("."))
             storage.make_dirs(aside.parent)
             storage.replace(old, aside)
             validity.forget(old)
@@ -172,23 +172,6 @@ def _swap_in(run, staging: Path, target: Path, manifest: Manifest) -> Path | Non
                swap, journal=run.journal):
         raise OSError(errno.EAGAIN, "the run's lease could not be confirmed now, so final/ was not replaced")
     return moved.get("final")
-
-
-def _archive_name(run, name: str) -> Path:
-    """Where an export that is replaced goes: `archive/<name>-<time>-<runtime>`, a name no other export ever had.
-
-    Another runtime's archive/ may be on the Hub and not in this replica (archive/ is never fetched), so a name
-    only unlikely to be taken is not enough: two exports archived under one name become one folder on the Hub,
-    the older one's files lost (the simulator found it, seeds 5486 and 9750). The lease's session tells runtimes
-    apart; within this runtime, a name its own archive/ holds is never reused. The time is the kit's clock."""
-    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(clock.time()))
-    runtime = run.lease.info.session[:12] if run.lease is not None else uuid.uuid4().hex[:12]
-    aside = run.drive_dir / ARCHIVE / f"{name}-{stamp}-{runtime}"
-    again = 1
-    while storage.exists(aside):
-        again += 1
-        aside = run.drive_dir / ARCHIVE / f"{name}-{stamp}-{runtime}-{again}"
-    return aside
 
 
 def _what_final_holds(target: Path) -> str:

@@ -11,12 +11,11 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 
 from .._notices import Notices
 from ..checkpoints import storage
-from ..checkpoints.checkpoint import CHECKPOINTS, KIT_STATE, list_checkpoints
+from ..checkpoints.checkpoint import CHECKPOINTS, KIT_STATE, aside_path, list_checkpoints
 from ..checkpoints.history import History
 from ..checkpoints.journal import EVENTS, Journal
 from ..checkpoints.search import RETRY_WAITS, Found, Search, read_told, search_checkpoints
@@ -112,7 +111,7 @@ def set_aside_newer(local: Path, step: int, journal: Journal) -> None:
     for newer, path in list_checkpoints(local):
         if newer > step:
             storage.make_dirs(aside)
-            moved = aside / f"{path.name}-{datetime.now(timezone.utc).strftime('%Y%m%d-%H%M%S')}"
+            moved = aside_path(aside, path.name)
             storage.replace(path, moved)
             journal.write("warn", what="set_aside", path=str(moved), reason="newer than the checkpoint resumed "
                           "from, and not verifiable")

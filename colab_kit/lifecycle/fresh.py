@@ -13,16 +13,16 @@ would mix two runs, and a resume after a disconnect would pick the wrong one.
 from __future__ import annotations
 
 import os
-from datetime import datetime, timezone
+import uuid
 from pathlib import Path
 
 from ..checkpoints import looks, storage, validity
-from ..checkpoints.checkpoint import ARCHIVE, CHECKPOINTS, list_checkpoints, step_of
+from ..checkpoints.checkpoint import ARCHIVE, CHECKPOINTS, aside_path, list_checkpoints, step_of
 from ..drive.drivefs import HUB
 from ..errors import CheckpointError, ColabKitError, DriveError
 from .registry import TrainClock
 
-__all__ = ["archive_checkpoints", "resume_argument", "start_over", "fresh_start_advice"]
+__all__ = ["archive_checkpoints", "archive_path", "resume_argument", "start_over", "fresh_start_advice"]
 
 _DRAIN_S = 120.0  # a fresh start waits this long for uploads under way before it moves anything
 
@@ -52,14 +52,20 @@ def archive_checkpoints(run, *, expected: bool = True) -> Path | None:
                          None if expected else ())
     moved = None
     if listed:
-        stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
-        moved = run.drive_dir / ARCHIVE / f"checkpoints-{stamp}"
+        moved = archive_path(run, CHECKPOINTS)
         if not run.mirror.gate.archive(checkpoints, moved):
             raise DriveError(f"the checkpoints of {run.drive_dir} were not moved to {moved.parent}: the run's lease "
                              f"could not be confirmed now; nothing was moved or deleted. Run the cell again")
     for _, path in list_checkpoints(run.local_dir):
         storage.remove_tree(path)
     return moved
+
+
+def archive_path(run, name: str) -> Path:
+    """Where `name` (checkpoints/, final/) of `run` is moved aside: a name in `archive/` that no other folder moved
+    there ever had, this runtime's or another's (`aside_path`; the lease's session tells runtimes apart)."""
+    runtime = run.lease.info.session[:12] if run.lease is not None else uuid.uuid4().hex[:12]
+    return aside_path(run.drive_dir / ARCHIVE, name, runtime)
 
 
 def resume_argument(run, value):

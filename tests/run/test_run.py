@@ -5,6 +5,7 @@ import json
 import re
 import shutil
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -184,6 +185,27 @@ def test_fresh_start_archives_old_checkpoints(drive, local, capsys):
     assert len(archived) == 1 and verify_folder(archived[0] / "checkpoint-10") is None
     assert list_checkpoints(run.drive_dir / "checkpoints") == []
     run.finish()
+
+
+def test_two_fresh_starts_in_one_second_keep_both_archives_whole(drive, local, monkeypatch):
+    """A folder moved aside never lands on another one: two fresh starts within one second of the clock (a rerun
+    cell) archive to two names, each checkpoint whole (the time alone named them once, and the second move went
+    onto the first)."""
+    from colab_kit.checkpoints import checkpoint
+
+    monkeypatch.setattr(checkpoint, "time", SimpleNamespace(strftime=lambda fmt, t: "20261208-000000",
+                                                            gmtime=time.gmtime))
+    run = start(drive, local, quiet=True)
+    run.train(tiny_trainer(run, max_steps=10))
+    for _ in range(2):
+        run = start(drive, local, resume=False, quiet=True)
+        run.train(tiny_trainer(run, max_steps=10))
+    run.finish()
+    archived = sorted((run.drive_dir / "archive").iterdir())
+    assert len(archived) == 2, archived
+    assert all(a.name.startswith("checkpoints-20261208-000000-") for a in archived), archived
+    assert [[p.name for _, p in list_checkpoints(a)] for a in archived] == [["checkpoint-10"]] * 2
+    assert all(verify_folder(a / "checkpoint-10") is None for a in archived)
 
 
 def test_a_second_runtime_is_refused_while_the_lease_is_live(drive, local):
