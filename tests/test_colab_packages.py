@@ -4,6 +4,7 @@ generated from Colab's published list by scripts/colab_packages.py)."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import shutil
 import sys
 
@@ -78,6 +79,10 @@ def test_the_notebooks_install_cells_add_multimolecule_and_bitsandbytes_in_colab
 
 
 @pytest.mark.slow(60)
+@pytest.mark.skipif(not os.environ.get("COLAB_KIT_FULL_E2E"), reason=(
+    "pip resolving the kit into Colab's whole package set, about 80 s: .ci/run runs it in every run "
+    "(COLAB_KIT_FULL_E2E=1) and installs that set in its Colab matrix; the test command checks a raised "
+    "requirement against Colab's versions (the test below)"))
 def test_installing_the_kit_and_the_notebooks_additions_into_colab_changes_nothing():
     verdict = colab_packages.check(extras=notebook_extras())
     print(verdict.summary())

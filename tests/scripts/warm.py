@@ -18,6 +18,7 @@ import multiprocessing
 import os
 import subprocess
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -164,6 +165,21 @@ def start(argv: list[str], *, env: dict, cwd: Path, out: Path, script: str = "ti
     process = _ctx().Process(target=_run, args=(script, [name, *argv], env, str(cwd), str(out)), daemon=False)
     process.start()
     return WarmJob(process, Path(out))
+
+
+def ended_after(job, log: Path, marker: str, timeout: float) -> float:
+    """Wait for `job` to end, watching `log` (another job's output) for `marker`, its error: the seconds from the
+    marker's first sight to `job`'s end, 0 when `job` ended first. Timed from that error, not from the launch,
+    which on a busy 2-core machine takes half a minute of imports and training by itself. Raises
+    subprocess.TimeoutExpired when `job` has not ended after `timeout` seconds."""
+    deadline, seen = time.monotonic() + timeout, None
+    while job.poll() is None:
+        if time.monotonic() > deadline:
+            raise subprocess.TimeoutExpired("the job", timeout)
+        if seen is None and log.is_file() and marker in log.read_text(errors="replace"):
+            seen = time.monotonic()
+        time.sleep(0.1)
+    return time.monotonic() - seen if seen is not None else 0.0
 
 
 class WarmRanks:
