@@ -3,6 +3,7 @@ Drive that reports uploads, one that does not, and one that errs and stalls.
 
     python bench/work_at_risk.py [--minutes 10] [--rates 2e6 20e6] [--save-every 20s] [--vocab 160000]
                                  [--rows written cloud unconfirmed faulty] [--settle 10min]
+                                 [--figure PATH | --no-figure]
 
 Work at risk is the training a disconnect would cost right now: the seconds since the newest
 checkpoint *in the cloud* was saved (since the start while there is none). Each configuration
@@ -10,7 +11,8 @@ trains the tiny BERT of the tests through `start_run` + `run.train` (checkpoints
 the default `--vocab`, a time-based `save_every`) against the DriveFS emulator at one upload rate,
 under one rule; all run side by side in one go, and once a second this script reads the
 emulator's cloud folder (the ground truth, not the kit's claims) for the newest checkpoint whose
-manifest and file sizes hold. Needs FUSE (Debian fuse3, mfusepy).
+manifest and file sizes hold. Needs FUSE (Debian fuse3, mfusepy). The figure draws the same samples: the
+work at risk over the run's time, a panel per upload rate, a line per rule (`docs/figures/work_at_risk.png`).
 
 Rows: `written`, the rule before 0.2; `cloud`, the kit on a mount with DriveFS's attributes;
 `unconfirmed`, the kit on a mount without them, which guesses no upload rate (issue 27): it keeps the
@@ -32,6 +34,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "scripts"))
+import figures  # noqa: E402
 import harness  # noqa: E402
 from emulated_drive import EmulatedDrive, why_no_fuse  # noqa: E402
 
@@ -64,6 +67,7 @@ def main() -> int:
     parser.add_argument("--step-sleep", type=float, default=0.1)
     parser.add_argument("--rows", nargs="+", default=list(RULES), choices=list(RULES))
     parser.add_argument("--settle", default="10min", help="start_run(settle=): where the ladder's doubling begins")
+    figures.add_arguments(parser, "work_at_risk")
     args = parser.parse_args()
     if reason := why_no_fuse():
         print(f"cannot run: {reason}", file=sys.stderr)
@@ -96,6 +100,7 @@ def main() -> int:
                 c["empty_after_first"] += 1
             c["seen"] = c.get("seen") or saved is not None
             c["risk"].append(now - (saved if saved is not None else c["began"]))
+            c.setdefault("at", []).append(now - c["began"])
             c["peak"] = max(c["peak"], held_on_drive(c["drive"], "run"))
         time.sleep(max(0.0, 1.0 - (time.time() - now)))
     for c in configs:
@@ -123,7 +128,29 @@ def main() -> int:
     print("\n'no ckpt s': seconds, after the first checkpoint reached the cloud, with none there that holds "
           "together; 'in cloud': checkpoints confirmed (cloud events); 'interval s': the stretched save interval.")
     print(f"(elapsed {time.time() - started:.0f} s)")
+    draw(configs, args)
     return 0
+
+
+def draw(configs: list[dict], args) -> None:
+    """The samples the table summarises: work at risk over the run's time, a panel per upload rate."""
+    rates = sorted({c["rate"] for c in configs}, reverse=True)
+    fig, axes = figures.figure(4.2 * len(rates), 3.6, ncols=len(rates), sharey=True, squeeze=False)
+    colours = {"written": "tab:red", "cloud": "tab:blue", "unconfirmed": "tab:green", "faulty": "tab:orange"}
+    for ax, rate in zip(axes[0], rates):
+        for c in (c for c in configs if c["rate"] == rate and c["risk"]):
+            ax.plot(c["at"], c["risk"], color=colours[c["rule"]], lw=1.2, label=RULES[c["rule"]])
+        ax.plot([0, args.minutes * 60], [0, args.minutes * 60], color="0.75", lw=0.8, ls=":",
+                label="nothing in the cloud since the start")
+        ax.set_title(f"Drive uploading {rate / 1e6:g} MB/s", fontsize=9)
+        ax.set_xlabel("training time, s")
+        ax.set_xlim(0, args.minutes * 60)
+        ax.set_ylim(bottom=0)
+    axes[0][0].set_ylabel("work a disconnect would cost now, s")
+    axes[0][-1].legend(fontsize=7, loc="upper left", frameon=False)
+    fig.suptitle(f"Work at risk, sampled once a second from the cloud folder (save_every={args.save_every!r}, "
+                 f"checkpoints of ~{checkpoint_mb(configs):.0f} MB)", fontsize=9)
+    figures.save(fig, args)
 
 
 def held_on_drive(drive: EmulatedDrive, name: str) -> tuple[int, int]:
